@@ -1,0 +1,1 @@
+"""megatron-core integration: model provider, CPU shim, checkpoint helpers (imports megatron)."""
