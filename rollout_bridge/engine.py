@@ -1,0 +1,147 @@
+"""The `RolloutEngine` protocol and helpers shared by its implementations.
+
+What: the interface the trainer codes against (docs/design.md, "Rollout engine contract"), the
+sampling-parameter check that keeps returned logprobs equal to the sampling distribution, and the
+bookkeeping that turns per-(prompt, sample) outcomes into a `RolloutBatch` in which every requested
+sample appears exactly once (as a sample or as a failure).
+
+Why: both engines must refuse the same truncated-sampling settings and produce batches with the
+same ordering and versioning rules, so the trainer cannot tell them apart.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from rollout_bridge.types import (
+    RolloutBatch,
+    RolloutFailedError,
+    RolloutFailure,
+    RolloutSample,
+    SamplingParamsError,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """What the trainer needs from a rollout engine.
+
+    Attributes:
+        vocab_size: The engine's real vocabulary (ids >= vocab_size never occur).
+        top_k: K of the returned support (S = K + 1).
+    """
+
+    vocab_size: int
+    top_k: int
+
+    def generate(self, prompt_ids: list[list[int]], sampling_params: dict,
+                 n: int = 1) -> RolloutBatch:
+        """Samples `n` responses per prompt; see `RolloutBatch` for the guarantees."""
+        ...
+
+    def update_weights(self, *args: Any, **kwargs: Any) -> str:
+        """Loads new policy weights; returns the new weight version."""
+        ...
+
+    def weight_version(self) -> str:
+        """Current weight version of the engine."""
+        ...
+
+
+def check_sampling_params(params: dict, allow_truncated_sampling: bool = False) -> float:
+    """Refuses sampling settings under which returned logprobs are not the sampling policy.
+
+    SGLang (and `LocalEngine`) return `log_softmax(logits / temperature)` before top-k / top-p /
+    min-p truncation, so with truncation the true behavior policy is the truncated, renormalized
+    distribution and the returned top-K is wrong for it (ecosystem.md §4.2).
+
+    Args:
+        params: SGLang-style sampling params.
+        allow_truncated_sampling: Accept truncation anyway (the caller handles the mismatch).
+
+    Returns:
+        The temperature (default 1.0).
+
+    Raises:
+        SamplingParamsError: On top_p < 1, top_k not in (-1, None, 0), min_p > 0 or a negative
+            temperature, unless allowed.
+    """
+    temperature = float(params.get("temperature", 1.0))
+    if temperature < 0:
+        raise SamplingParamsError(f"temperature must be >= 0, got {temperature}")
+    problems = []
+    top_p = params.get("top_p", 1.0)
+    if top_p is not None and float(top_p) < 1.0:
+        problems.append(f"top_p={top_p} < 1")
+    top_k = params.get("top_k", -1)
+    if top_k is not None and int(top_k) not in (-1, 0) and int(top_k) < (1 << 30):
+        problems.append(f"top_k={top_k} != -1")
+    min_p = params.get("min_p", 0.0)
+    if min_p is not None and float(min_p) > 0.0:
+        problems.append(f"min_p={min_p} > 0")
+    if problems and not allow_truncated_sampling:
+        raise SamplingParamsError(
+            "truncated sampling (" + ", ".join(problems) + ") makes the returned logprobs "
+            "differ from the sampling distribution; use top_p=1, top_k=-1, min_p=0 or pass "
+            "allow_truncated_sampling=True")
+    if problems:
+        logger.warning("truncated sampling allowed (%s): behavior logprobs are untruncated",
+                       ", ".join(problems))
+    return temperature
+
+
+def assemble_batch(outcomes: dict[tuple[int, int], RolloutSample | RolloutFailure],
+                   num_prompts: int, n: int, *, temperature: float, top_k: int,
+                   prompt_ids: list[list[int]], default_version: str | None,
+                   raise_on_failure: bool = False) -> RolloutBatch:
+    """Builds a `RolloutBatch` from one outcome per (prompt_index, sample_index).
+
+    Args:
+        outcomes: Exactly one entry per requested pair.
+        num_prompts, n: The request shape.
+        temperature, top_k: Recorded on the batch.
+        prompt_ids: Prompts, copied into each sample.
+        default_version: Version used for samples lacking `meta_info["weight_version"]`.
+        raise_on_failure: Raise `RolloutFailedError` if any failure is present.
+
+    Returns:
+        The batch; samples and failures ordered by (prompt_index, sample_index).
+    """
+    expected = {(p, j) for p in range(num_prompts) for j in range(n)}
+    if set(outcomes) != expected:
+        missing = sorted(expected - set(outcomes))[:5]
+        extra = sorted(set(outcomes) - expected)[:5]
+        raise AssertionError(f"rollout bookkeeping bug: missing {missing}, unexpected {extra}")
+    samples, failures = [], []
+    for key in sorted(outcomes):
+        out = outcomes[key]
+        if isinstance(out, RolloutFailure):
+            failures.append(out)
+            continue
+        out.prompt_index, out.sample_index = key
+        out.group_index = key[0]
+        out.prompt_ids = torch.as_tensor(prompt_ids[key[0]], dtype=torch.int64)
+        if out.meta_info.get("weight_version") is None:
+            out.meta_info["weight_version"] = default_version
+        samples.append(out)
+    versions = sorted({str(s.meta_info["weight_version"]) for s in samples
+                       if s.meta_info["weight_version"] is not None})
+    if not samples:
+        version = default_version
+    elif len(versions) == 1 and all(s.meta_info["weight_version"] is not None for s in samples):
+        version = versions[0]
+    else:
+        version = ",".join(versions) if versions else None
+        logger.warning("rollout batch mixes weight versions %s", versions)
+    if failures:
+        logger.warning("%d of %d requested samples failed", len(failures), num_prompts * n)
+    batch = RolloutBatch(samples=samples, temperature=temperature, weight_version=version,
+                         top_k=top_k, failures=failures, n=n, num_prompts=num_prompts)
+    if raise_on_failure and failures:
+        raise RolloutFailedError(failures)
+    return batch
