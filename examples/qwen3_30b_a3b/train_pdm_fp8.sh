@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# PDM RL on Qwen3-30B-A3B with megatron-core: multi-node torchrun, Transformer Engine FP8
+# (e4m3, blockwise scaling) training and FP8 rollout weights, TP4 + SP, EP8.
+# Identical to train_pdm.sh except for PRECISION_ARGS; needs Hopper+ GPUs and the TE spec
+# (convert with --key-style te). Memory: weights + 1 byte/param FP8 copy (see README).
+#
+# Hardware: NNODES x 8 GPUs with >= 80 GB each (H100/H200), NVLink inside a node, InfiniBand
+#   between nodes; a separate pool of GPUs runs the SGLang rollout servers (launch_sglang.sh).
+# Prerequisites:
+#   1. megatron-core >= 0.16 with transformer-engine, this package installed on every node;
+#   2. the HF checkpoint converted once (any layout; the dist checkpoint reshards on load):
+#        python tools/convert_hf_to_megatron.py --hf-dir Qwen3-30B-A3B --out $MCORE_CKPT \
+#            --tp 4 --ep 8 --key-style te
+#      and verified: python tools/verify_conversion.py --hf-dir ... --megatron-dir $MCORE_CKPT;
+#   3. SGLang servers up at $SGLANG_URL serving the same weights (launch_sglang.sh).
+# Expected memory per GPU (megatron_pdm.layout.estimate_memory, 2 nodes = world 16, TP4 EP8 PP1
+#   DP4, bf16, distributed optimizer, full recompute, micro-batch 1 x 8192 tokens):
+#   weights 7.5 GiB, fp32 grads 15.0 GiB, Adam 21.4 GiB, activations 0.7 GiB, logits 2.3 GiB
+#   = 46.8 GiB + CUDA/NCCL overhead. With 1 node (DP2) the optimizer state doubles: 68 GiB.
+#   Check any layout first with:  bash train_pdm.sh --dry-run
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+source "${HERE}/model.sh"
+
+NNODES="${NNODES:-2}"
+NODE_RANK="${NODE_RANK:-0}"
+GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
+MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
+MASTER_PORT="${MASTER_PORT:-29500}"
+TP="${TP:-4}"
+EP="${EP:-8}"
+PP="${PP:-1}"
+MCORE_CKPT="${MCORE_CKPT:-/checkpoints/qwen3-30b-a3b-mcore}"
+HF_CKPT="${HF_CKPT:-/checkpoints/Qwen3-30B-A3B}"
+SGLANG_URL="${SGLANG_URL:-http://127.0.0.1:30000}"
+SEQ_LENGTH="${SEQ_LENGTH:-8192}"
+LOG_DIR="${LOG_DIR:-runs/qwen3_30b_a3b_pdm/logs}"
+
+# torchrun rendezvous: one process per GPU
+DISTRIBUTED_ARGS=(
+    --nnodes "${NNODES}" --node-rank "${NODE_RANK}" --nproc-per-node "${GPUS_PER_NODE}"
+    --master-addr "${MASTER_ADDR}" --master-port "${MASTER_PORT}"
+    --log-dir "${LOG_DIR}" --redirects 3 --local-ranks-filter 0
+)
+# parallel layout (sequence parallelism is switched on by the driver whenever TP > 1; ETP = 1)
+PARALLEL_ARGS=(
+    --set "parallel.tp=${TP}" --set "parallel.ep=${EP}" --set "parallel.pp=${PP}"
+    --set parallel.use_distributed_optimizer=true
+)
+# precision: TE FP8 e4m3 with blockwise (128x128) scaling for the linear layers, BF16 elsewhere,
+# fp32 grads and Adam state; rollout weights quantised to FP8 (blockwise) at every push
+# (TE reads NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1 from the environment for FP32 block scales)
+PRECISION_ARGS=(
+    --set precision.params_dtype=bf16 --set precision.fp8=e4m3 --set precision.fp8_recipe=blockwise
+    --set rollout.rollout_precision=fp8
+)
+# checkpoint in/out (dist checkpoint written by tools/convert_hf_to_megatron.py)
+CHECKPOINT_ARGS=(
+    --set "checkpoint.load_dir=${MCORE_CKPT}" --set checkpoint.save_interval=20
+)
+# rollout: SGLang servers holding the same model, top-K logprobs returned for the PDM mask
+ROLLOUT_ARGS=(
+    --set rollout.engine=sglang --set "rollout.sglang_url=${SGLANG_URL}"
+    --set "rollout.hf_checkpoint=${HF_CKPT}" --set "rollout.max_sequence_length=${SEQ_LENGTH}"
+)
+# PDM loss (preset and knobs in pdm.yaml)
+LOSS_ARGS=(
+    --set loss.preset=pdm-agg
+)
+# memory: full activation recomputation
+MEMORY_ARGS=(
+    --set train.recompute=full
+)
+
+# the megatron-style model flags are informational for the driver (it builds from pdm.yaml's
+# model section); print them so the log records the architecture
+echo "model: ${MODEL_ARGS[*]}"
+
+torchrun "${DISTRIBUTED_ARGS[@]}" -m megatron_pdm.train \
+    --config "${HERE}/pdm.yaml" \
+    "${PARALLEL_ARGS[@]}" "${PRECISION_ARGS[@]}" "${CHECKPOINT_ARGS[@]}" \
+    "${ROLLOUT_ARGS[@]}" "${LOSS_ARGS[@]}" "${MEMORY_ARGS[@]}" "$@"

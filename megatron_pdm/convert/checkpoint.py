@@ -1,0 +1,345 @@
+"""HF Qwen3-MoE -> megatron-core dist checkpoint (torch_dist), and loading it at any layout.
+
+Import, on every rank of the requested (TP, EP, PP) layout:
+1. build this rank's local GPTModel (`megatron_pdm.megatron.model.build_model`);
+2. for each local parameter, name its canonical full tensor (global layer, global expert), read
+   just that tensor from the safetensors files (`mapping.canonical_from_hf`; embedding and output
+   rows are read as a row range) and cut this rank's TP / expert-TP part;
+3. `dist_checkpointing.save(model.sharded_state_dict(), out)`.
+A dist checkpoint describes every tensor by its global shape, so it loads at any other TP/EP/PP
+(`load_model`) - except for the vocabulary padding, which megatron ties to TP (see
+`check_vocab_padding`).
+
+Next to the checkpoint, `pdm_model.json` records the architecture (`Qwen3MoeArch.to_dict`), the
+source HF expert layout and dtype, the layout used at import, the key style and the source HF
+config, so the exporter and the trainer can rebuild the model.
+
+Key styles: megatron's local spec stores the pre-MLP norm as `mlp.linear_fc1.layer_norm_weight`,
+its Transformer Engine MoE spec as `pre_mlp_layernorm.weight`; `rename_for_key_style` maps one onto
+the other so a checkpoint written on CPU with the local spec loads into the TE model on GPUs.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_pdm.convert import mapping
+from megatron_pdm.convert.hf_io import HFReader, read_hf_config
+
+META_FILE = "pdm_model.json"
+KEY_STYLES = ("local", "te")
+_PRE_MLP_KEYS = {
+    "local": "decoder.layers.mlp.linear_fc1.layer_norm_weight",
+    "te": "decoder.layers.pre_mlp_layernorm.weight",
+}
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_ST_DTYPES = {"F32": "fp32", "BF16": "bf16", "F16": "fp16"}
+
+
+# ---------------------------------------------------------------------------------------------
+# metadata
+# ---------------------------------------------------------------------------------------------
+
+
+def arch_dict_from_hf_config(cfg: dict) -> dict:
+    """Qwen3MoeArch fields from an HF Qwen3-MoE config.json; refuses features we do not map."""
+    problems = []
+    if cfg.get("model_type") not in (None, "qwen3_moe"):
+        problems.append(f"model_type={cfg.get('model_type')!r}, expected 'qwen3_moe'")
+    if cfg.get("tie_word_embeddings", False):
+        problems.append("tie_word_embeddings=True (Qwen3-MoE is untied; tied is not supported)")
+    if cfg.get("decoder_sparse_step", 1) != 1 or cfg.get("mlp_only_layers"):
+        problems.append(
+            "dense (mlp_only_layers / decoder_sparse_step != 1) layers are not supported"
+        )
+    if not cfg.get("norm_topk_prob", True):
+        problems.append("norm_topk_prob=False is not supported (megatron renormalises top-k)")
+    if cfg.get("attention_bias", False):
+        problems.append("attention_bias=True is not supported")
+    if cfg.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act={cfg.get('hidden_act')!r}, expected 'silu'")
+    rope = cfg.get("rope_scaling") or {}
+    if rope and rope.get("rope_type", rope.get("type", "default")) != "default":
+        problems.append(f"rope_scaling={rope} is not supported")
+    if problems:
+        raise ValueError("unsupported HF config:\n  " + "\n  ".join(problems))
+    rope_theta = cfg.get("rope_theta")
+    if rope_theta is None:  # transformers 5.x nests it in rope_parameters
+        rope_theta = (cfg.get("rope_parameters") or {}).get("rope_theta", 1_000_000.0)
+    return dict(
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_attention_heads=cfg["num_attention_heads"],
+        num_query_groups=cfg["num_key_value_heads"],
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+        num_experts=cfg.get("num_experts", cfg.get("num_local_experts")),
+        moe_router_topk=cfg["num_experts_per_tok"],
+        moe_ffn_hidden_size=cfg["moe_intermediate_size"],
+        rotary_base=float(rope_theta),
+        norm_epsilon=cfg.get("rms_norm_eps", 1e-6),
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+    )
+
+
+def read_meta(megatron_dir) -> dict:
+    path = Path(megatron_dir) / META_FILE
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{path} missing: not a checkpoint written by convert_hf_to_megatron"
+        )
+    return json.loads(path.read_text())
+
+
+def arch_from_meta(meta: dict):
+    from megatron_pdm.megatron.model import Qwen3MoeArch
+
+    return Qwen3MoeArch.from_dict(meta["arch"])
+
+
+def check_vocab_padding(arch, ckpt_tp: int, tp: int) -> None:
+    """megatron pads the vocabulary to a multiple of divisible_by * TP: refuse a mismatch early."""
+    saved, wanted = mapping.padded_vocab(arch, ckpt_tp), mapping.padded_vocab(arch, tp)
+    if saved != wanted:
+        raise ValueError(
+            f"vocab padding differs: checkpoint written at TP={ckpt_tp} has {saved} rows, TP={tp} "
+            f"needs {wanted}; re-import at TP={tp} or pick make_vocab_size_divisible_by so "
+            "both agree"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# model at a layout
+# ---------------------------------------------------------------------------------------------
+
+
+def build_local_model(arch, *, tp: int, ep: int, pp: int, params_dtype=torch.float32):
+    """This rank's GPTModel for the layout (parallel_state must be initialised)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_pdm.megatron.cpu_shim import apply_cpu_shim
+    from megatron_pdm.megatron.model import build_model, transformer_config
+
+    apply_cpu_shim()
+    config = transformer_config(
+        arch, tp=tp, pp=pp, ep=ep, params_dtype=params_dtype, bf16=params_dtype == torch.bfloat16
+    )
+    return build_model(
+        arch,
+        config,
+        pre_process=ps.is_pipeline_first_stage(ignore_virtual=True),
+        post_process=ps.is_pipeline_last_stage(ignore_virtual=True),
+    )
+
+
+_LOCAL_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_LOCAL_EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
+
+
+def canonical_name(model, local_name: str) -> str:
+    """Local parameter name of this rank -> canonical (global layer, global expert) name."""
+    from megatron.core import parallel_state as ps
+
+    m = _LOCAL_LAYER_RE.match(local_name)
+    if m is None:
+        return local_name
+    layer = model.decoder.layers[int(m.group(1))]
+    rest = m.group(2)
+    e_m = _LOCAL_EXPERT_RE.match(rest)
+    if e_m is not None:
+        n_local = len(layer.mlp.experts.local_experts)
+        e = ps.get_expert_model_parallel_rank() * n_local + int(e_m.group(1))
+        rest = f"mlp.experts.local_experts.{e}.{e_m.group(2)}"
+    return f"decoder.layers.{layer.layer_number - 1}.{rest}"
+
+
+def shard_of(name: str, full: torch.Tensor) -> torch.Tensor:
+    """This rank's part of the full canonical tensor `name` (TP dense, expert-TP experts)."""
+    from megatron.core import parallel_state as ps
+
+    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    if name.endswith("linear_fc1.weight") or name.endswith("linear_fc2.weight"):
+        etp, etp_rank = (
+            ps.get_expert_tensor_parallel_world_size(),
+            ps.get_expert_tensor_parallel_rank(),
+        )
+        if name.endswith("linear_fc1.weight"):  # [gate; up]: each rank gets [gate_r; up_r]
+            gate, up = full.chunk(2, dim=0)
+            return torch.cat([gate.chunk(etp, 0)[etp_rank], up.chunk(etp, 0)[etp_rank]], dim=0)
+        return full.chunk(etp, dim=1)[etp_rank]
+    if name.endswith("linear_qkv.weight"):
+        return full.chunk(tp, dim=0)[tp_rank]
+    if name.endswith("linear_proj.weight"):
+        return full.chunk(tp, dim=1)[tp_rank]
+    return full
+
+
+def _vocab_rows(reader: HFReader, hf_name: str, arch, local_rows: int) -> torch.Tensor:
+    """Rows [r*V_local, (r+1)*V_local) of the padded vocabulary matrix, reading only those rows."""
+    from megatron.core import parallel_state as ps
+
+    start = ps.get_tensor_model_parallel_rank() * local_rows
+    stop = min(start + local_rows, arch.vocab_size)
+    rows = reader._handle(hf_name).get_slice(hf_name)[start:stop] if stop > start else None
+    if rows is None:
+        return torch.zeros(
+            local_rows, arch.hidden_size, dtype=_DTYPES[_ST_DTYPES[reader.dtype(hf_name)]]
+        )
+    return mapping.pad_vocab_rows(rows, local_rows)
+
+
+def fill_from_hf(model, reader: HFReader, arch, expert_layout: str, progress: bool) -> int:
+    """Copy every local parameter of `model` from the HF checkpoint. Returns the tensor count."""
+    from tqdm import tqdm
+
+    state = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    count = 0
+    for local_name, param in tqdm(state.items(), desc="import", disable=not progress, unit="t"):
+        name = canonical_name(model, local_name)
+        if name == "embedding.word_embeddings.weight":
+            part = _vocab_rows(reader, "model.embed_tokens.weight", arch, param.shape[0])
+        elif name == "output_layer.weight":
+            part = _vocab_rows(reader, "lm_head.weight", arch, param.shape[0])
+        else:
+            try:
+                part = shard_of(name, mapping.canonical_from_hf(name, reader, arch, expert_layout))
+            except KeyError as exc:
+                raise ValueError(f"no HF source for megatron tensor {local_name} ({name}): {exc}")
+        if tuple(part.shape) != tuple(param.shape):
+            raise ValueError(
+                f"shape mismatch for megatron tensor {local_name} ({name}): HF gives "
+                f"{tuple(part.shape)}, the model at this layout has {tuple(param.shape)}"
+            )
+        with torch.no_grad():
+            param.copy_(part.to(param.dtype))
+        count += 1
+    return count
+
+
+def rename_for_key_style(sharded_sd: dict, from_style: str, to_style: str) -> dict:
+    """Rename the pre-MLP-norm ShardedTensor key between the local and TE spec styles (in place)."""
+    for style in (from_style, to_style):
+        if style not in KEY_STYLES:
+            raise ValueError(f"key style must be one of {KEY_STYLES}, got {style!r}")
+    if from_style == to_style:
+        return sharded_sd
+    src, dst = _PRE_MLP_KEYS[from_style], _PRE_MLP_KEYS[to_style]
+    for value in sharded_sd.values():
+        if getattr(value, "key", None) == src:
+            value.key = dst
+    return sharded_sd
+
+
+# ---------------------------------------------------------------------------------------------
+# import / load
+# ---------------------------------------------------------------------------------------------
+
+
+def import_rank(
+    hf_dir: str, out_dir: str, tp: int, ep: int, pp: int, dtype: str, key_style: str
+) -> None:
+    """One rank of the HF -> dist-checkpoint import (the process group must exist)."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_pdm.convert.distributed import init_model_parallel, is_rank0
+    from megatron_pdm.megatron.model import Qwen3MoeArch
+
+    hf_cfg = read_hf_config(hf_dir)
+    arch = Qwen3MoeArch.from_dict(arch_dict_from_hf_config(hf_cfg))
+    reader = HFReader(hf_dir)
+    expert_layout = mapping.check_hf_tensors(reader, arch)
+    src_dtype = _ST_DTYPES.get(reader.dtype("model.embed_tokens.weight"), "fp32")
+    dtype = src_dtype if dtype == "auto" else dtype
+    init_model_parallel(tp, ep, pp)
+    model = build_local_model(arch, tp=tp, ep=ep, pp=pp, params_dtype=_DTYPES[dtype])
+    fill_from_hf(model, reader, arch, expert_layout, progress=is_rank0())
+    reader.close()
+    out = Path(out_dir)
+    if is_rank0():
+        out.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    sharded = rename_for_key_style(model.sharded_state_dict(), "local", key_style)
+    dist_checkpointing.save(sharded, str(out))
+    if is_rank0():
+        meta = {
+            "format": "megatron-core dist_checkpointing torch_dist",
+            "arch": arch.to_dict(),
+            "layout_at_import": {"tp": tp, "ep": ep, "pp": pp, "etp": 1},
+            "params_dtype": dtype,
+            "key_style": key_style,
+            "source": {"hf_dir": str(hf_dir), "expert_layout": expert_layout, "dtype": src_dtype},
+            "hf_config": hf_cfg,
+        }
+        (out / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        _copy_hf_assets(Path(hf_dir), out / "hf_assets")
+
+
+def _copy_hf_assets(hf_dir: Path, dst: Path) -> None:
+    """Tokenizer and generation config travel with the checkpoint (export writes them back)."""
+    import shutil
+
+    names = [
+        p
+        for p in hf_dir.iterdir()
+        if p.is_file()
+        and not p.name.endswith(".safetensors")
+        and p.name not in ("config.json", "model.safetensors.index.json")
+    ]
+    if names:
+        dst.mkdir(exist_ok=True)
+        for p in names:
+            shutil.copy2(p, dst / p.name)
+
+
+def load_model(megatron_dir: str, *, tp: int, ep: int, pp: int, key_style: str = "local"):
+    """Build this rank's model at (tp, ep, pp) and load the dist checkpoint into it.
+
+    `key_style` is the style of the model being loaded into (`local` for the CPU/local spec).
+    parallel_state must be initialised for the layout. Returns (model, arch, meta).
+    """
+    from megatron.core import dist_checkpointing
+
+    meta = read_meta(megatron_dir)
+    arch = arch_from_meta(meta)
+    check_vocab_padding(arch, meta["layout_at_import"]["tp"], tp)
+    model = build_local_model(arch, tp=tp, ep=ep, pp=pp, params_dtype=_DTYPES[meta["params_dtype"]])
+    sharded = rename_for_key_style(model.sharded_state_dict(), key_style, meta["key_style"])
+    state = dist_checkpointing.load(sharded, megatron_dir)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint/model mismatch: missing={missing} unexpected={unexpected}")
+    return model, arch, meta
+
+
+def megatron_logits_rank(megatron_dir: str, tp: int, ep: int, ids_path: str, out_path: str) -> None:
+    """One rank of a verification forward: load at (tp, ep), gather logits over TP, rank 0 saves
+    `[B, S, V]` (padding stripped) for the token ids saved at `ids_path`."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_pdm.convert.distributed import init_model_parallel
+
+    init_model_parallel(tp, ep, 1)
+    model, arch, _ = load_model(megatron_dir, tp=tp, ep=ep, pp=1)
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    model_parallel_cuda_manual_seed(1234)  # dropout is 0; the attention code forks the tracker
+    model.eval()
+    ids_bs = torch.load(ids_path)
+    b, s = ids_bs.shape
+    pos_bs = torch.arange(s).expand(b, s)
+    mask = torch.triu(torch.ones(s, s, dtype=torch.bool), diagonal=1)[None, None]
+    with torch.no_grad():
+        local_bsv = model(ids_bs, pos_bs, mask).float()
+    group = ps.get_tensor_model_parallel_group()
+    parts = [torch.empty_like(local_bsv) for _ in range(ps.get_tensor_model_parallel_world_size())]
+    dist.all_gather(parts, local_bsv.contiguous(), group=group)
+    if dist.get_rank() == 0:
+        torch.save(torch.cat(parts, dim=-1)[..., : arch.vocab_size], out_path)

@@ -1,0 +1,114 @@
+"""Process-group plumbing for the converters: run a function on every rank of a layout.
+
+Two ways in:
+- under `torchrun` (WORLD_SIZE/RANK/MASTER_ADDR in the environment): the function runs once in
+  this process with the env:// rendezvous; use this for large layouts spread over many hosts;
+- otherwise `launch` spawns `world_size` local processes itself (gloo on 127.0.0.1, one thread
+  each), so `--tp 2 --ep 2` works from a plain single-process command on a laptop or in CI.
+
+Conversion moves weights only (no forward pass), so it always uses gloo, also on GPU hosts.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+
+def min_world_size(tp: int, ep: int, pp: int) -> int:
+    """Smallest world holding TP x PP (x DP) with EP dividing TP*DP (expert TP = 1)."""
+    return pp * math.lcm(tp, ep)
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _unshadow_megatron() -> None:
+    """Drop sys.path entries whose `megatron` package is not megatron-core.
+
+    Spawned children inherit the parent's sys.path; a directory such as a test tree holding a
+    `megatron/__init__.py` (pytest prepends test roots) would otherwise shadow megatron-core.
+    """
+    import sys
+
+    for entry in list(sys.path):
+        pkg = Path(entry or ".") / "megatron"
+        if (pkg / "__init__.py").exists() and not (pkg / "core").is_dir():
+            sys.path.remove(entry)
+
+
+def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple) -> None:
+    _unshadow_megatron()
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
+    )
+    try:
+        fn(*args)
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def launch(fn: Callable, world_size: int, *args) -> None:
+    """Run `fn(*args)` on every rank of a gloo world of `world_size` processes.
+
+    Under torchrun the current process is one rank (the torchrun world size must match).
+    `fn` must be a module-level function (it is pickled into spawned processes).
+    """
+    if dist.is_initialized():
+        if dist.get_world_size() != world_size:
+            raise ValueError(
+                f"this layout needs world size {world_size}, the process group has "
+                f"{dist.get_world_size()}"
+            )
+        fn(*args)
+        return
+    if under_torchrun():
+        env_world = int(os.environ["WORLD_SIZE"])
+        if env_world != world_size:
+            raise ValueError(f"torchrun started {env_world} ranks, this layout needs {world_size}")
+        dist.init_process_group("gloo")
+        try:
+            fn(*args)
+        finally:
+            dist.barrier()
+            dist.destroy_process_group()
+        return
+    if world_size == 1:
+        _entry(0, 1, _free_port(), fn, args)
+        return
+    import torch.multiprocessing as mp
+
+    mp.spawn(_entry, args=(world_size, _free_port(), fn, args), nprocs=world_size, join=True)
+
+
+def init_model_parallel(tp: int, ep: int, pp: int) -> None:
+    """megatron parallel_state for the layout (expert TP 1), after the process group exists."""
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=1,
+    )
+
+
+def is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0

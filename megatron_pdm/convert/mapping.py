@@ -1,0 +1,380 @@
+"""Qwen3-MoE weight names and shapes: Hugging Face <-> megatron-core (pure torch, no megatron).
+
+Both sides are described as *full* (unsharded) tensors. The megatron side uses "canonical
+names": the state-dict names of a TP=1, EP=1, PP=1 megatron GPTModel built with the local spec
+(sequential experts), with global layer and global expert indices::
+
+    embedding.word_embeddings.weight                        [V_pad, H]   <- model.embed_tokens
+    output_layer.weight                                     [V_pad, H]   <- lm_head (untied)
+    decoder.final_layernorm.weight                          [H]          <- model.norm
+    decoder.layers.L.input_layernorm.weight                 [H]          <- input_layernorm
+    decoder.layers.L.self_attention.linear_qkv.weight       [(nh+2g)D, H] <- q/k/v_proj (fused)
+    decoder.layers.L.self_attention.linear_proj.weight      [H, nh*D]    <- o_proj
+    decoder.layers.L.self_attention.{q,k}_layernorm.weight  [D]          <- {q,k}_norm
+    decoder.layers.L.pre_mlp_layernorm.weight               [H]          <- post_attention_layernorm
+    decoder.layers.L.mlp.router.weight                      [E, H]       <- mlp.gate
+    decoder.layers.L.mlp.experts.local_experts.e.linear_fc1.weight [2I, H] <- [gate; up] of expert e
+    decoder.layers.L.mlp.experts.local_experts.e.linear_fc2.weight [H, I]  <- down of expert e
+
+Why each transform:
+- QKV: megatron's fused projection is interleaved per query group: for group g the rows are
+  [q heads of g (nh/g * D rows), k_g (D rows), v_g (D rows)]. This keeps a TP shard (a contiguous
+  block of groups) self-contained.
+- SwiGLU: megatron's linear_fc1 holds [gate; up] and applies silu to the first half.
+- Vocabulary: megatron pads the embedding and output rows to a multiple of
+  `make_vocab_size_divisible_by * TP`; padding rows are zero on import and stripped on export.
+- HF experts come in two layouts. transformers 5.x stores them fused
+  (`mlp.experts.gate_up_proj [E, 2I, H]` with gate first, `mlp.experts.down_proj [E, H, I]`);
+  hub checkpoints (and SGLang) use per-expert `mlp.experts.e.{gate,up,down}_proj.weight`.
+  Both are read; either can be written.
+
+Grouped-GEMM layouts of megatron's experts (TEGroupedMLP: `experts.linear_fc1.weight{j}`; legacy
+GroupedMLP: `experts.weight1 [H, E_local*2I]` whose memory GroupedMLP views as [E_local, H, 2I],
+`experts.weight2 [E_local*I, H]` viewed as [E_local, I, H], i.e. transposed per-expert matrices)
+are converted from
+and to the sequential layout by `sequential_to_grouped` / `grouped_to_sequential`. The dist
+checkpoint itself does not depend on the expert layout (megatron stores all three under
+`mlp.experts.experts.*` with an expert axis).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterator
+
+import torch
+
+from megatron_pdm.convert.hf_io import HFReader
+
+_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+
+# canonical per-layer suffix -> HF per-layer suffix for the one-to-one tensors
+_LAYER_DIRECT = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "mlp.router.weight": "mlp.gate.weight",
+}
+EXPERT_LAYOUTS = ("fused", "per_expert")
+
+
+def padded_vocab(arch, tp: int = 1) -> int:
+    multiple = arch.make_vocab_size_divisible_by * tp
+    return -(-arch.vocab_size // multiple) * multiple
+
+
+# ---------------------------------------------------------------------------------------------
+# shapes
+# ---------------------------------------------------------------------------------------------
+
+
+def hf_shapes(arch, expert_layout: str) -> dict[str, tuple[int, ...]]:
+    """Every tensor a Qwen3-MoE HF checkpoint of `arch` must hold, with its shape."""
+    if expert_layout not in EXPERT_LAYOUTS:
+        raise ValueError(f"expert_layout must be one of {EXPERT_LAYOUTS}, got {expert_layout!r}")
+    H, D, E, I = arch.hidden_size, arch.head_dim, arch.num_experts, arch.moe_ffn_hidden_size
+    nh, g = arch.num_attention_heads, arch.num_query_groups
+    shapes = {
+        "model.embed_tokens.weight": (arch.vocab_size, H),
+        "lm_head.weight": (arch.vocab_size, H),
+        "model.norm.weight": (H,),
+    }
+    for layer in range(arch.num_layers):
+        p = f"model.layers.{layer}."
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (H,),
+                p + "post_attention_layernorm.weight": (H,),
+                p + "self_attn.q_proj.weight": (nh * D, H),
+                p + "self_attn.k_proj.weight": (g * D, H),
+                p + "self_attn.v_proj.weight": (g * D, H),
+                p + "self_attn.o_proj.weight": (H, nh * D),
+                p + "self_attn.q_norm.weight": (D,),
+                p + "self_attn.k_norm.weight": (D,),
+                p + "mlp.gate.weight": (E, H),
+            }
+        )
+        if expert_layout == "fused":
+            shapes[p + "mlp.experts.gate_up_proj"] = (E, 2 * I, H)
+            shapes[p + "mlp.experts.down_proj"] = (E, H, I)
+        else:
+            for e in range(E):
+                q = f"{p}mlp.experts.{e}."
+                shapes[q + "gate_proj.weight"] = (I, H)
+                shapes[q + "up_proj.weight"] = (I, H)
+                shapes[q + "down_proj.weight"] = (H, I)
+    return shapes
+
+
+def canonical_shapes(arch) -> dict[str, tuple[int, ...]]:
+    """Every canonical (TP1/EP1/PP1, sequential-expert) megatron tensor of `arch` and its shape."""
+    H, D, E, I = arch.hidden_size, arch.head_dim, arch.num_experts, arch.moe_ffn_hidden_size
+    nh, g = arch.num_attention_heads, arch.num_query_groups
+    vp = padded_vocab(arch)
+    shapes = {
+        "embedding.word_embeddings.weight": (vp, H),
+        "output_layer.weight": (vp, H),
+        "decoder.final_layernorm.weight": (H,),
+    }
+    for layer in range(arch.num_layers):
+        p = f"decoder.layers.{layer}."
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (H,),
+                p + "self_attention.linear_qkv.weight": ((nh + 2 * g) * D, H),
+                p + "self_attention.linear_proj.weight": (H, nh * D),
+                p + "self_attention.q_layernorm.weight": (D,),
+                p + "self_attention.k_layernorm.weight": (D,),
+                p + "pre_mlp_layernorm.weight": (H,),
+                p + "mlp.router.weight": (E, H),
+            }
+        )
+        for e in range(E):
+            q = f"{p}mlp.experts.local_experts.{e}."
+            shapes[q + "linear_fc1.weight"] = (2 * I, H)
+            shapes[q + "linear_fc2.weight"] = (H, I)
+    return shapes
+
+
+def detect_expert_layout(names) -> str:
+    """'fused' or 'per_expert' from the HF tensor names."""
+    names = set(names)
+    fused = any(n.endswith("mlp.experts.gate_up_proj") for n in names)
+    per = any(re.search(r"mlp\.experts\.\d+\.gate_proj\.weight$", n) for n in names)
+    if fused == per:
+        raise ValueError(
+            "cannot tell the HF expert layout: expected either mlp.experts.gate_up_proj (fused) or "
+            f"mlp.experts.<e>.gate_proj.weight (per expert); found fused={fused} per_expert={per}"
+        )
+    return "fused" if fused else "per_expert"
+
+
+def check_hf_tensors(reader: HFReader, arch) -> str:
+    """Raise ValueError naming every missing, unexpected or mis-shaped HF tensor.
+
+    Returns the detected expert layout. Reads only the safetensors headers.
+    """
+    layout = detect_expert_layout(reader.keys())
+    want = hf_shapes(arch, layout)
+    have = {name: reader.shape(name) for name in reader.keys()}
+    problems = []
+    problems += [f"missing tensor {n} {tuple(s)}" for n, s in want.items() if n not in have]
+    # transformers may persist rotary buffers; they are recomputed on both sides.
+    extra = [n for n in have if n not in want and not n.endswith("rotary_emb.inv_freq")]
+    problems += [f"unexpected tensor {n} {tuple(have[n])}" for n in extra]
+    problems += [
+        f"tensor {n} has shape {tuple(have[n])}, expected {tuple(s)}"
+        for n, s in want.items()
+        if n in have and tuple(have[n]) != tuple(s)
+    ]
+    if problems:
+        raise ValueError(
+            "HF checkpoint does not match the architecture:\n  " + "\n  ".join(problems)
+        )
+    return layout
+
+
+# ---------------------------------------------------------------------------------------------
+# transforms
+# ---------------------------------------------------------------------------------------------
+
+
+def fuse_qkv(q_w: torch.Tensor, k_w: torch.Tensor, v_w: torch.Tensor, arch) -> torch.Tensor:
+    """HF q/k/v [nh*D, H], [g*D, H], [g*D, H] -> megatron linear_qkv [(nh+2g)*D, H]."""
+    g, D, H = arch.num_query_groups, arch.head_dim, q_w.shape[-1]
+    hpg = arch.num_attention_heads // g
+    qkv = torch.cat([q_w.view(g, hpg * D, H), k_w.view(g, D, H), v_w.view(g, D, H)], dim=1)
+    return qkv.reshape(-1, H)
+
+
+def split_qkv(qkv_w: torch.Tensor, arch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of `fuse_qkv`."""
+    g, D, H = arch.num_query_groups, arch.head_dim, qkv_w.shape[-1]
+    hpg = arch.num_attention_heads // g
+    grouped = qkv_w.view(g, (hpg + 2) * D, H)
+    q_w, k_w, v_w = torch.split(grouped, [hpg * D, D, D], dim=1)
+    return q_w.reshape(-1, H), k_w.reshape(-1, H), v_w.reshape(-1, H)
+
+
+def pad_vocab_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
+    """Zero-pad a [V, H] embedding/output matrix to `rows` rows (megatron's padded vocabulary)."""
+    if w.shape[0] == rows:
+        return w
+    return torch.cat([w, w.new_zeros(rows - w.shape[0], *w.shape[1:])], dim=0)
+
+
+def canonical_from_hf(name: str, reader: HFReader, arch, expert_layout: str) -> torch.Tensor:
+    """The full megatron tensor `name` (canonical name), read lazily from the HF checkpoint."""
+    if name == "embedding.word_embeddings.weight":
+        return pad_vocab_rows(reader.get("model.embed_tokens.weight"), padded_vocab(arch))
+    if name == "output_layer.weight":
+        return pad_vocab_rows(reader.get("lm_head.weight"), padded_vocab(arch))
+    if name == "decoder.final_layernorm.weight":
+        return reader.get("model.norm.weight")
+    m = _LAYER_RE.match(name)
+    if m is None:
+        raise KeyError(f"not a Qwen3-MoE megatron tensor: {name}")
+    layer, rest = int(m.group(1)), m.group(2)
+    p = f"model.layers.{layer}."
+    if rest in _LAYER_DIRECT:
+        return reader.get(p + _LAYER_DIRECT[rest])
+    if rest == "self_attention.linear_qkv.weight":
+        return fuse_qkv(*(reader.get(p + f"self_attn.{x}_proj.weight") for x in "qkv"), arch)
+    e_m = _EXPERT_RE.match(rest)
+    if e_m is None:
+        raise KeyError(f"not a Qwen3-MoE megatron tensor: {name}")
+    e, which = int(e_m.group(1)), e_m.group(2)
+    if expert_layout == "fused":
+        hf_name = p + (
+            "mlp.experts.gate_up_proj" if which == "linear_fc1" else "mlp.experts.down_proj"
+        )
+        return reader.get_index(hf_name, e)
+    q = f"{p}mlp.experts.{e}."
+    if which == "linear_fc1":
+        return torch.cat([reader.get(q + "gate_proj.weight"), reader.get(q + "up_proj.weight")], 0)
+    return reader.get(q + "down_proj.weight")
+
+
+def hf_group_names(arch) -> Iterator[tuple[str, list[str]]]:
+    """Export order: (group label, canonical names needed to write that group's HF tensors)."""
+    yield "embeddings", ["embedding.word_embeddings.weight"]
+    for layer in range(arch.num_layers):
+        p = f"decoder.layers.{layer}."
+        names = [p + rest for rest in _LAYER_DIRECT] + [p + "self_attention.linear_qkv.weight"]
+        names += [
+            f"{p}mlp.experts.local_experts.{e}.{fc}.weight"
+            for e in range(arch.num_experts)
+            for fc in ("linear_fc1", "linear_fc2")
+        ]
+        yield f"layer {layer}", names
+    yield "head", ["decoder.final_layernorm.weight", "output_layer.weight"]
+
+
+def hf_from_canonical(
+    tensors: dict[str, torch.Tensor], arch, expert_layout: str
+) -> dict[str, torch.Tensor]:
+    """HF tensors from one `hf_group_names` group of full canonical megatron tensors."""
+    out: dict[str, torch.Tensor] = {}
+    by_layer: dict[int, dict[str, torch.Tensor]] = {}
+    for name, t in tensors.items():
+        if name == "embedding.word_embeddings.weight":
+            out["model.embed_tokens.weight"] = t[: arch.vocab_size]
+        elif name == "output_layer.weight":
+            out["lm_head.weight"] = t[: arch.vocab_size]
+        elif name == "decoder.final_layernorm.weight":
+            out["model.norm.weight"] = t
+        else:
+            m = _LAYER_RE.match(name)
+            if m is None:
+                raise KeyError(f"not a Qwen3-MoE megatron tensor: {name}")
+            by_layer.setdefault(int(m.group(1)), {})[m.group(2)] = t
+    for layer, rest in by_layer.items():
+        p = f"model.layers.{layer}."
+        for src, dst in _LAYER_DIRECT.items():
+            if src in rest:
+                out[p + dst] = rest.pop(src)
+        if "self_attention.linear_qkv.weight" in rest:
+            q_w, k_w, v_w = split_qkv(rest.pop("self_attention.linear_qkv.weight"), arch)
+            out.update(
+                {
+                    p + "self_attn.q_proj.weight": q_w,
+                    p + "self_attn.k_proj.weight": k_w,
+                    p + "self_attn.v_proj.weight": v_w,
+                }
+            )
+        fc1 = {
+            int(_EXPERT_RE.match(k).group(1)): v
+            for k, v in rest.items()
+            if k.endswith("fc1.weight")
+        }
+        fc2 = {
+            int(_EXPERT_RE.match(k).group(1)): v
+            for k, v in rest.items()
+            if k.endswith("fc2.weight")
+        }
+        if fc1 or fc2:
+            if sorted(fc1) != list(range(arch.num_experts)) or sorted(fc2) != sorted(fc1):
+                raise ValueError(f"layer {layer}: export needs all {arch.num_experts} experts")
+            out.update(_experts_to_hf(p, fc1, fc2, arch, expert_layout))
+    return out
+
+
+def _experts_to_hf(p, fc1, fc2, arch, expert_layout):
+    I = arch.moe_ffn_hidden_size
+    E = arch.num_experts
+    if expert_layout == "fused":
+        return {
+            p + "mlp.experts.gate_up_proj": torch.stack([fc1[e] for e in range(E)]),
+            p + "mlp.experts.down_proj": torch.stack([fc2[e] for e in range(E)]),
+        }
+    out = {}
+    for e in range(E):
+        q = f"{p}mlp.experts.{e}."
+        out[q + "gate_proj.weight"] = fc1[e][:I]
+        out[q + "up_proj.weight"] = fc1[e][I:]
+        out[q + "down_proj.weight"] = fc2[e]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# megatron expert layouts (local state dicts of one rank)
+# ---------------------------------------------------------------------------------------------
+
+_SEQ_RE = re.compile(r"^(.*mlp\.experts\.)local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+_TE_RE = re.compile(r"^(.*mlp\.experts\.)(linear_fc1|linear_fc2)\.weight(\d+)$")
+_LEGACY_RE = re.compile(r"^(.*mlp\.experts\.)(weight1|weight2)$")
+
+
+def sequential_to_grouped(state: dict[str, torch.Tensor], style: str) -> dict[str, torch.Tensor]:
+    """SequentialMLP local names -> TEGroupedMLP (`style='te'`) or legacy GroupedMLP ('legacy').
+
+    TE keeps one [out, in] matrix per local expert (`linear_fc1.weight{j}`); the legacy layout
+    stores transposed, concatenated matrices: weight1 [H, E_local*2I], weight2 [E_local*I, H].
+    """
+    if style not in ("te", "legacy"):
+        raise ValueError(f"style must be 'te' or 'legacy', got {style!r}")
+    out, legacy = {}, {}
+    for name, t in state.items():
+        m = _SEQ_RE.match(name)
+        if m is None:
+            out[name] = t
+        elif style == "te":
+            out[f"{m.group(1)}{m.group(3)}.weight{m.group(2)}"] = t
+        else:
+            legacy.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = t
+    for (prefix, fc), experts in legacy.items():
+        mats = [experts[j] for j in range(len(experts))]
+        if fc == "linear_fc1":  # memory = E blocks of [H, 2I]; GroupedMLP views it as [E, H, 2I]
+            hidden = mats[0].shape[1]
+            out[prefix + "weight1"] = torch.stack([w.t() for w in mats]).reshape(hidden, -1)
+        else:
+            out[prefix + "weight2"] = torch.cat([w.t() for w in mats], dim=0)
+    return out
+
+
+def grouped_to_sequential(
+    state: dict[str, torch.Tensor], *, hidden_size: int, num_local_experts: int
+) -> dict[str, torch.Tensor]:
+    """Inverse of `sequential_to_grouped` (either style; detected from the names).
+
+    The legacy layout needs `num_local_experts`: weight1 [H, E_local*2I] and weight2 [E_local*I, H]
+    have the same shapes for every split of E_local*I.
+    """
+    out = {}
+    for name, t in state.items():
+        te, lg = _TE_RE.match(name), _LEGACY_RE.match(name)
+        if te is not None:
+            out[f"{te.group(1)}local_experts.{te.group(3)}.{te.group(2)}.weight"] = t
+        elif lg is not None and lg.group(2) == "weight1":
+            per = t.reshape(num_local_experts, hidden_size, -1)  # GroupedMLP's view [E, H, 2I]
+            for j, w in enumerate(per):
+                out[f"{lg.group(1)}local_experts.{j}.linear_fc1.weight"] = w.t().contiguous()
+        elif lg is not None:
+            for j, w in enumerate(t.chunk(num_local_experts, dim=0)):
+                out[f"{lg.group(1)}local_experts.{j}.linear_fc2.weight"] = w.t().contiguous()
+        else:
+            out[name] = t
+    return out

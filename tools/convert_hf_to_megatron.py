@@ -1,0 +1,83 @@
+"""Convert an HF Qwen3-MoE checkpoint into a megatron-core dist checkpoint at a TP/EP/PP layout.
+
+    python tools/convert_hf_to_megatron.py --hf-dir HF --out MCORE --tp 2 --ep 2 [--pp 1]
+
+Run as one process: it spawns the pp*lcm(tp, ep) gloo ranks the layout needs (CPU, one thread
+each). For large layouts spread over hosts, start it under torchrun with that many ranks instead
+(`torchrun --nnodes N --nproc-per-node M tools/convert_hf_to_megatron.py ...`); every rank reads
+only its own tensors. The checkpoint loads at any other layout with the same vocab padding;
+`pdm_model.json` next to it records the architecture for export and training.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def convert_hf_to_megatron(
+    hf_dir: str,
+    out: str,
+    *,
+    tp: int = 1,
+    ep: int = 1,
+    pp: int = 1,
+    dtype: str = "auto",
+    key_style: str = "local",
+) -> float:
+    """Import `hf_dir` into `out`; returns the wall time in seconds."""
+    from megatron_pdm.convert import mapping
+    from megatron_pdm.convert.checkpoint import arch_dict_from_hf_config, import_rank
+    from megatron_pdm.convert.distributed import launch, min_world_size
+    from megatron_pdm.convert.hf_io import HFReader, read_hf_config
+    from megatron_pdm.layout import validate_layout
+    from megatron_pdm.megatron.model import Qwen3MoeArch
+
+    start = time.perf_counter()
+    # refuse a bad checkpoint or layout here (headers only) before spawning any rank
+    arch = Qwen3MoeArch.from_dict(arch_dict_from_hf_config(read_hf_config(hf_dir)))
+    mapping.check_hf_tensors(HFReader(hf_dir), arch)
+    validate_layout(arch, world_size=min_world_size(tp, ep, pp), tp=tp, pp=pp, ep=ep)
+    launch(import_rank, min_world_size(tp, ep, pp), hf_dir, out, tp, ep, pp, dtype, key_style)
+    return time.perf_counter() - start
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--hf-dir", required=True, help="HF checkpoint dir (config.json + safetensors)"
+    )
+    parser.add_argument("--out", required=True, help="output megatron dist checkpoint dir")
+    parser.add_argument("--tp", type=int, default=1, help="tensor parallel size")
+    parser.add_argument("--ep", type=int, default=1, help="expert parallel size")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline parallel size")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "fp32", "bf16", "fp16"],
+        help="stored parameter dtype (auto = the HF dtype)",
+    )
+    parser.add_argument(
+        "--key-style",
+        default="local",
+        choices=["local", "te"],
+        help="pre-MLP norm key of the model that will load it (te = TE spec)",
+    )
+    args = parser.parse_args()
+    try:
+        seconds = convert_hf_to_megatron(
+            args.hf_dir,
+            args.out,
+            tp=args.tp,
+            ep=args.ep,
+            pp=args.pp,
+            dtype=args.dtype,
+            key_style=args.key_style,
+        )
+    except (ValueError, FileNotFoundError) as exc:
+        sys.exit(f"convert_hf_to_megatron: {exc}")
+    print(f"wrote {args.out} (TP={args.tp} EP={args.ep} PP={args.pp}) in {seconds:.1f} s")
