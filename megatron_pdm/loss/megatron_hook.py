@@ -1,0 +1,160 @@
+"""The policy loss as a megatron-core `loss_func` (the only module of ops/parallel/loss that
+imports megatron).
+
+megatron-core's schedules (`get_forward_backward_func()`) call
+`forward_step_func(data_iterator, model) -> (output_tensor, loss_func)` and then
+`loss_func(output_tensor)`. With `TransformerConfig.calculate_per_token_loss=True` a loss_func
+returns `(loss_sum, num_tokens, {key: tensor([sum, count])})`: megatron back-propagates
+`loss_sum`, sums `num_tokens` over micro-batches, all-reduces it over data parallel ranks and
+divides the gradients by it in `finalize_model_grads`, so the update is an exact token (or
+sequence) mean over the global batch. `make_loss_func` binds one micro-batch to that contract.
+
+What this adapter owns (and the core op does not):
+- Layout. `GPTModel.forward(..., labels=None)` returns vocab-parallel logits `[b, s, Vl]`; the
+  raw output layer produces `[s, b, Vl]`. Both are accepted (`layout="auto"` decides from the
+  batch shape; when b == s it must be given). THD batches are `[1, total]`.
+- Sequence parallelism. The output layer all-gathers the sequence before the vocab projection,
+  so the logits are always full-sequence and vocab-sharded: nothing to undo here.
+- The t-1 -> t shift. The row-aligned `PackedBatch` (rollout_bridge.packing) already put every
+  per-token field on the logits row that scores it: row p scores `labels[p] = tokens[p+1]`.
+  No shifting happens here; only loss rows are selected (`loss_mask`).
+- Tensor parallelism. The TP group comes from megatron's parallel_state and is handed to
+  `megatron_pdm.token_stats`, which needs exactly 2 collectives per call.
+- Vocab padding (`vocab_size` = engine vocabulary; Megatron's padded ids are excluded) and the
+  sampling temperature (logits are divided by it inside `token_stats`).
+
+Metric keys emitted: everything `megatron_pdm.policy_loss` emits (pdm/*, loss/pg,
+mismatch/abs_logprob_diff; see megatron_pdm/metrics.py) plus `tokens/loss` (loss rows).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+import megatron_pdm as pdm
+from megatron_pdm import metrics as M
+
+_FIELDS = ("labels", "loss_mask", "behavior_logprob", "support_ids", "support_logprobs",
+           "support_valid", "advantages", "seq_ids")
+
+
+def _field(batch: Any, name: str) -> torch.Tensor:
+    return batch[name] if isinstance(batch, dict) else getattr(batch, name)
+
+
+def to_bsv(logits: torch.Tensor, b: int, s: int, layout: str = "auto") -> torch.Tensor:
+    """Returns the logits as `[b, s, Vl]`.
+
+    Args:
+        logits: `[b, s, Vl]` ("bsv") or `[s, b, Vl]` ("sbv").
+        b, s: Batch and sequence size of the packed batch.
+        layout: "bsv", "sbv" or "auto" (decided from the shape; ambiguous when b == s != 1).
+    """
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be 3-D [b, s, Vl] or [s, b, Vl], got {tuple(logits.shape)}")
+    if layout == "auto":
+        shape = tuple(logits.shape[:2])
+        if shape == (b, s) and (b == s and b != 1):
+            raise ValueError(f"layout ambiguous for b == s == {b}; pass layout='bsv' or 'sbv'")
+        if shape == (b, s):
+            layout = "bsv"
+        elif shape == (s, b):
+            layout = "sbv"
+        else:
+            raise ValueError(f"logits {tuple(logits.shape)} match neither [b={b}, s={s}, Vl] "
+                             f"nor [s, b, Vl]")
+    if layout == "bsv":
+        if tuple(logits.shape[:2]) != (b, s):
+            raise ValueError(f"logits {tuple(logits.shape)} are not [b={b}, s={s}, Vl]")
+        return logits
+    if layout == "sbv":
+        if tuple(logits.shape[:2]) != (s, b):
+            raise ValueError(f"logits {tuple(logits.shape)} are not [s={s}, b={b}, Vl]")
+        return logits.transpose(0, 1)
+    raise ValueError(f"unknown layout {layout!r}")
+
+
+def _tp_group():
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return None
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+def policy_loss_func(output_tensor: torch.Tensor, *, batch: Any, cfg: pdm.PolicyLossConfig,
+                     vocab_size: int, temperature: float = 1.0, layout: str = "auto",
+                     tp_group: Any = "parallel_state"):
+    """megatron-core loss_func: PDM/DPPO/GRPO/DRPO policy loss on vocab-parallel logits.
+
+    Args:
+        output_tensor: logits `[b, s, Vl]` or `[s, b, Vl]` (this TP rank's vocab shard).
+        batch: a `PackedBatch` (or dict with its fields), padded `[b, s]` or THD `[1, total]`.
+        cfg: the loss config (preset).
+        vocab_size: the engine's real vocabulary size (ids beyond are Megatron padding).
+        temperature: sampling temperature of the rollouts.
+        layout: see `to_bsv`.
+        tp_group: process group; default: megatron's TP group (None when TP == 1).
+
+    Returns:
+        (loss_sum, num_tokens int tensor, metrics {key: tensor([sum, count])}).
+    """
+    labels_bs = _field(batch, "labels")
+    b, s = labels_bs.shape
+    logits_bsv = to_bsv(output_tensor, b, s, layout)
+    group = _tp_group() if tp_group == "parallel_state" else tp_group
+    rows_N = _field(batch, "loss_mask").reshape(-1).to(torch.bool)
+    flat = {name: _field(batch, name).reshape(b * s, *(_field(batch, name).shape[2:]))[rows_N]
+            for name in _FIELDS}
+    logits_NVl = logits_bsv.reshape(b * s, logits_bsv.shape[-1])[rows_N]
+    stats = pdm.token_stats(
+        logits_NVl, flat["labels"], flat["support_ids"].long(), flat["support_logprobs"],
+        flat["support_valid"], tp_group=group, vocab_size=vocab_size, temperature=temperature)
+    out = pdm.policy_loss(stats, flat["advantages"], flat["behavior_logprob"],
+                          torch.ones_like(flat["labels"], dtype=torch.bool), cfg,
+                          seq_ids=flat["seq_ids"])
+    loss_sum, num_tokens, metrics = out
+    metrics = dict(metrics)
+    ones_N = torch.ones_like(flat["behavior_logprob"], dtype=torch.bool)
+    if M.ABS_LOGPROB_DIFF not in metrics:
+        metrics[M.ABS_LOGPROB_DIFF] = M.sum_count(
+            (stats.logprob.detach() - flat["behavior_logprob"]).abs(), ones_N, torch.float64)
+    metrics["tokens/loss"] = M.sum_count(ones_N.double(), ones_N, torch.float64)
+    # Keep the graph connected to the logits even for a micro-batch without loss rows, so the
+    # schedule's backward (and the TP collectives inside it) runs identically on every rank.
+    loss_sum = loss_sum + 0.0 * logits_bsv.sum()
+    num_tokens = torch.as_tensor(num_tokens)
+    if num_tokens.is_floating_point():
+        if not torch.equal(num_tokens, num_tokens.round()):
+            raise ValueError(f"num_tokens must be integral for megatron, got {num_tokens}")
+    return loss_sum, num_tokens.to(torch.int).reshape(()), metrics
+
+
+def make_loss_func(batch: Any, cfg: pdm.PolicyLossConfig, *, vocab_size: int,
+                   temperature: float = 1.0, layout: str = "auto"):
+    """Binds a micro-batch: returns `loss_func(output_tensor)` for a megatron forward_step."""
+    return functools.partial(policy_loss_func, batch=batch, cfg=cfg, vocab_size=vocab_size,
+                             temperature=temperature, layout=layout)
+
+
+def reduce_metrics(forward_data_store: list[dict], group=None) -> dict[str, float]:
+    """Sums the per-micro-batch `[sum, count]` metrics, all-reduces them over `group` (the DP
+    group when data is split over ranks) and returns the means."""
+    totals: dict[str, torch.Tensor] = {}
+    for item in forward_data_store:
+        for key, value in item.items():
+            v = value.detach().to(torch.float64)
+            totals[key] = totals[key] + v if key in totals else v.clone()
+    if group is not None and totals:
+        import torch.distributed as dist
+
+        keys = sorted(totals)
+        packed = torch.stack([totals[k] for k in keys])
+        dist.all_reduce(packed, group=group)  # SUM of [sum, count] over data-parallel ranks
+        totals = dict(zip(keys, packed))
+    return {k: M.mean_of(v) for k, v in totals.items()}

@@ -1,0 +1,127 @@
+"""Save and resume the trainer with megatron-core dist-checkpointing.
+
+Layout: `<save_dir>/iter_<NNNNNNN>/` is one dist-checkpoint holding the model's and the
+optimizer's sharded state dicts plus a `train_state` common entry (step counters, RNG states,
+rollout-engine counters; anything picklable). `<save_dir>/latest` names the newest complete one
+(written by rank 0 after every rank has finished saving), so an interrupted save is never resumed.
+
+Model tensors are saved as sharded tensors with global shapes, so a checkpoint written at one
+TP/EP layout loads at another (used by the TP=1 vs TP=2 loss test).
+
+DistributedOptimizer without apex/TE needs the §5.3 workarounds of cpu-megatron.md; they are
+applied here (see megatron_pdm.megatron.optimizer) and verified bit-exact by the resume test.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+
+from megatron_pdm.megatron import optimizer as mopt
+
+logger = logging.getLogger(__name__)
+
+LATEST = "latest"
+
+
+def _ckpt_dir(save_dir: str, iteration: int) -> str:
+    return os.path.join(save_dir, f"iter_{iteration:07d}")
+
+
+def latest_checkpoint(save_dir: str) -> str | None:
+    """Path of the newest complete checkpoint, or None."""
+    marker = os.path.join(save_dir, LATEST)
+    if not os.path.exists(marker):
+        return None
+    with open(marker) as f:
+        name = f.read().strip()
+    path = os.path.join(save_dir, name)
+    return path if os.path.isdir(path) else None
+
+
+def _model_sd(ddp_model):
+    return ddp_model.module.sharded_state_dict() if hasattr(ddp_model, "module") else (
+        ddp_model.sharded_state_dict())
+
+
+def save_checkpoint(save_dir: str, iteration: int, ddp_model, optimizer, train_state: dict,
+                    *, keep_last: int = 2) -> str:
+    """Collective: every rank calls it. Returns the checkpoint path."""
+    from megatron.core import dist_checkpointing
+
+    path = _ckpt_dir(save_dir, iteration)
+    if dist.get_rank() == 0:
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        os.makedirs(path, exist_ok=True)
+    dist.barrier()
+    model_sd = _model_sd(ddp_model)
+    metadata = mopt.DIST_OPT_METADATA if mopt.uses_distributed_optimizer(optimizer) else None
+    state = {
+        "model": model_sd,
+        "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=False, metadata=metadata),
+        "train_state": train_state,
+    }
+    dist_checkpointing.save(state, path)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        tmp = os.path.join(save_dir, LATEST + ".tmp")
+        with open(tmp, "w") as f:
+            f.write(os.path.basename(path))
+        os.replace(tmp, os.path.join(save_dir, LATEST))
+        old = sorted(d for d in os.listdir(save_dir) if d.startswith("iter_"))
+        for name in old[:-keep_last] if keep_last > 0 else []:
+            shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
+    dist.barrier()
+    logger.info("saved checkpoint %s", path)
+    return path
+
+
+def load_model(path: str, ddp_model_or_module) -> None:
+    """Loads only model weights (any TP/EP layout) from a checkpoint written by `save_checkpoint`
+    or `save_model`. Collective."""
+    from megatron.core import dist_checkpointing
+
+    module = getattr(ddp_model_or_module, "module", ddp_model_or_module)
+    loaded = dist_checkpointing.load({"model": module.sharded_state_dict()}, path)
+    module.load_state_dict(loaded["model"], strict=False)
+
+
+def save_model(path: str, module) -> None:
+    """Saves only the model's sharded state dict (e.g. for resharding in tests). Collective."""
+    from megatron.core import dist_checkpointing
+
+    if dist.get_rank() == 0:
+        os.makedirs(path, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save({"model": module.sharded_state_dict()}, path)
+    dist.barrier()
+
+
+def load_checkpoint(path: str, ddp_model, optimizer) -> dict:
+    """Restores model and optimizer in place; returns the saved `train_state`. Collective."""
+    from megatron.core import dist_checkpointing
+
+    distributed_opt = mopt.uses_distributed_optimizer(optimizer)
+    if distributed_opt:
+        mopt.prime_for_loading(ddp_model, optimizer)  # §5.3 (1)
+    model_sd = _model_sd(ddp_model)
+    metadata = mopt.DIST_OPT_METADATA if distributed_opt else None
+    state = {
+        "model": model_sd,
+        "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=metadata),
+    }
+    loaded = dist_checkpointing.load(state, path)
+    module = getattr(ddp_model, "module", ddp_model)
+    module.load_state_dict(loaded["model"], strict=False)
+    with torch.no_grad():  # §5.3 (2): main params are views of fp32 model params
+        optimizer.load_state_dict(loaded["optimizer"])
+    if distributed_opt:
+        mopt.fix_adam_step_after_load(optimizer, loaded["optimizer"])  # §5.3 (3)
+    common = dist_checkpointing.load_common_state_dict(path)
+    logger.info("loaded checkpoint %s", path)
+    return common["train_state"]

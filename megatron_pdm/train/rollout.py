@@ -1,0 +1,82 @@
+"""The rollout side of the loop: a separate Megatron copy of the policy behind `LocalEngine`.
+
+Every rank holds a second GPTModel with the trainer's TP/EP layout (the "engine copy"). Weight
+sync copies this rank's TP/EP-local trainer parameters into it through
+`LocalEngine.update_weights`, which applies the rollout precision (bf16 rounding by default), so
+the behavior policy mu differs from the training policy pi the way a bf16 inference engine does.
+
+Lockstep (TP collectives and the EP all-to-all inside the engine copy): `LocalEngine` stops a
+batch only when every sequence has finished, and it samples with a generator seeded by
+(seed, call counter). `GatheredGPT` gathers the vocab shards and broadcasts rank 0's logits to
+every rank, so all ranks see bit-identical logits, sample identical tokens and therefore call the
+model the same number of times with the same shapes. It also right-pads inputs to a multiple of
+TP (sequence parallelism splits the sequence), which cannot change earlier positions of a causal
+model.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from rollout_bridge.local_engine import LocalEngine
+
+
+class GatheredGPT(torch.nn.Module):
+    """`LongTensor [B, L] -> logits [B, L, V_padded]` over a (TP/EP-sharded) GPTModel."""
+
+    def __init__(self, gpt: torch.nn.Module, *, pad_id: int, tp_size: int):
+        super().__init__()
+        self.gpt = gpt
+        self.pad_id = pad_id
+        self.tp_size = tp_size
+
+    @torch.no_grad()
+    def forward(self, ids_bl: torch.Tensor) -> torch.Tensor:
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+        b, length = ids_bl.shape
+        padded = -(-length // self.tp_size) * self.tp_size
+        if padded != length:
+            pad = torch.full((b, padded - length), self.pad_id, dtype=ids_bl.dtype)
+            ids_bl = torch.cat([ids_bl, pad], dim=1)
+        pos_bl = torch.arange(padded).expand(b, padded)
+        logits_blv = self.gpt(ids_bl, pos_bl, attention_mask=None)  # [b, L, V/TP], causal
+        logits_blv = gather_from_tensor_model_parallel_region(logits_blv)[:, :length].contiguous()
+        # Bit-identical logits on every rank => identical samples => lockstep collectives.
+        dist.broadcast(logits_blv, src=0)
+        return logits_blv
+
+
+def engine_weights(trainer_module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The trainer's local parameters under the engine copy's names (`gpt.` prefix)."""
+    return {f"gpt.{name}": p.detach() for name, p in trainer_module.named_parameters()}
+
+
+def build_engine(rollout_gpt: torch.nn.Module, *, vocab_size: int, top_k: int, seed: int,
+                 rollout_precision: str | None, eos_id: int, pad_id: int,
+                 tp_size: int) -> LocalEngine:
+    model = GatheredGPT(rollout_gpt, pad_id=pad_id, tp_size=tp_size).eval()
+    # Precision is applied by every update_weights; the trainer syncs before the first rollout.
+    engine = LocalEngine(model, vocab_size=vocab_size, top_k=top_k, seed=seed,
+                         rollout_precision=None, eos_token_id=eos_id, pad_token_id=pad_id,
+                         max_batch_size=1 << 20)
+    engine.rollout_precision = rollout_precision
+    return engine
+
+
+def engine_state(engine: LocalEngine) -> dict:
+    """Counters that, together with the synced weights, determine the engine's next samples.
+
+    Adapter: LocalEngine has no state_dict(); these are its private counters (seed, call count,
+    update count, version).
+    """
+    return {"seed": engine.seed, "calls": engine._calls, "num_updates": engine._num_updates,
+            "version": engine._version}
+
+
+def load_engine_state(engine: LocalEngine, state: dict) -> None:
+    engine.seed = int(state["seed"])
+    engine._calls = int(state["calls"])
+    engine._num_updates = int(state["num_updates"])
+    engine._version = str(state["version"])

@@ -1,0 +1,105 @@
+"""The toy task: multi-digit addition with an exact-match reward, and its tokenizer.
+
+Prompt:  <bos> a_1 .. a_d + b_1 .. b_d =        (operands zero-padded to d digits, fixed length)
+Answer:  s_0 s_1 .. s_d <eos>                   (d+1 digits of a+b, least significant first)
+
+Why this task: it is verifiable (exact match), has a dense enough signal for GRPO groups, and a
+two-layer MoE with a 64-wide residual learns it in minutes on 2 CPU cores. Writing the answer
+least-significant-digit first lets the model carry left to right. Fixed-length prompts keep the
+rollout batch rectangular, so every tensor/expert-parallel rank runs identical forward shapes.
+
+Vocabulary: pad, bos, eos, the ten digits, '+', '=' and `num_filler_tokens` unused ids (never in
+the data). With the default 3 fillers V = 18, which Megatron pads to 32 at TP=2 (divisible_by 8):
+the padded ids must get zero probability in the loss, and K=8 top-K covers less than half of V.
+
+Prompts are drawn from a generator seeded by (seed, iteration), so the data stream needs no state
+of its own to resume exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Tokenizer:
+    """Character tokenizer of the addition task."""
+
+    num_filler_tokens: int = 3
+    pad_id: int = 0
+    bos_id: int = 1
+    eos_id: int = 2
+
+    @property
+    def specials(self) -> tuple[str, ...]:
+        return ("<pad>", "<bos>", "<eos>")
+
+    @property
+    def symbols(self) -> tuple[str, ...]:
+        fillers = tuple(f"<unused{i}>" for i in range(self.num_filler_tokens))
+        return self.specials + tuple("0123456789") + ("+", "=") + fillers
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.symbols)
+
+    def encode(self, text: str) -> list[int]:
+        table = {s: i for i, s in enumerate(self.symbols)}
+        return [table[c] for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(self.symbols[i] if 0 <= i < self.vocab_size else "?" for i in ids)
+
+
+class AdditionTask:
+    """Prompts, reference answers and the exact-match reward of d-digit addition."""
+
+    def __init__(self, num_digits: int, tokenizer: Tokenizer):
+        if num_digits < 1:
+            raise ValueError(f"num_digits must be >= 1, got {num_digits}")
+        self.d = num_digits
+        self.tok = tokenizer
+
+    @property
+    def prompt_len(self) -> int:
+        return 2 * self.d + 3
+
+    @property
+    def answer_len(self) -> int:
+        """Answer digits plus eos."""
+        return self.d + 2
+
+    def prompt(self, a: int, b: int) -> list[int]:
+        text = f"{a:0{self.d}d}+{b:0{self.d}d}="
+        return [self.tok.bos_id] + self.tok.encode(text)
+
+    def answer(self, a: int, b: int) -> list[int]:
+        digits = f"{a + b:0{self.d + 1}d}"[::-1]
+        return self.tok.encode(digits) + [self.tok.eos_id]
+
+    def sample_operands(self, n: int, generator: torch.Generator) -> list[tuple[int, int]]:
+        ab = torch.randint(0, 10 ** self.d, (n, 2), generator=generator)
+        return [(int(a), int(b)) for a, b in ab]
+
+    def operands_for(self, seed: int, index: int, n: int) -> list[tuple[int, int]]:
+        """Deterministic operands for (seed, index): the data stream of iteration `index`."""
+        g = torch.Generator().manual_seed(seed * 1_000_003 + index * 7919 + 17)
+        return self.sample_operands(n, g)
+
+    def reward(self, a: int, b: int, response_ids: list[int]) -> float:
+        """1.0 iff the response is exactly the answer followed by eos, else 0.0."""
+        return 1.0 if list(response_ids) == self.answer(a, b) else 0.0
+
+    def sft_batch(self, operands: list[tuple[int, int]]) -> dict[str, torch.Tensor]:
+        """Row-aligned supervised batch: tokens [b, L], labels [b, L], loss_mask [b, L] (answer
+        rows only; row p scores token p+1)."""
+        seqs = [self.prompt(a, b) + self.answer(a, b) for a, b in operands]
+        length = len(seqs[0])
+        tokens_bl = torch.tensor(seqs, dtype=torch.int64)
+        labels_bl = torch.full_like(tokens_bl, self.tok.pad_id)
+        labels_bl[:, :-1] = tokens_bl[:, 1:]
+        loss_mask_bl = torch.zeros_like(tokens_bl, dtype=torch.bool)
+        loss_mask_bl[:, self.prompt_len - 1:length - 1] = True
+        return {"tokens": tokens_bl, "labels": labels_bl, "loss_mask": loss_mask_bl}
