@@ -125,9 +125,12 @@ def policy_loss_func(output_tensor: torch.Tensor, *, batch: Any, cfg: pdm.Policy
         metrics[M.ABS_LOGPROB_DIFF] = M.sum_count(
             (stats.logprob.detach() - flat["behavior_logprob"]).abs(), ones_N, torch.float64)
     metrics["tokens/loss"] = M.sum_count(ones_N.double(), ones_N, torch.float64)
-    # Keep the graph connected to the logits even for a micro-batch without loss rows, so the
-    # schedule's backward (and the TP collectives inside it) runs identically on every rank.
-    loss_sum = loss_sum + 0.0 * logits_bsv.sum()
+    # The row selection keeps the graph connected to the logits even for a micro-batch without
+    # loss rows, so the schedule's backward runs identically on every rank. Only if some path
+    # returns a constant (e.g. a degenerate config) connect it explicitly; this costs a pass over
+    # the logits, so it is not done on the normal path.
+    if not loss_sum.requires_grad and logits_bsv.requires_grad:
+        loss_sum = loss_sum + 0.0 * logits_bsv.sum()
     num_tokens = torch.as_tensor(num_tokens)
     if num_tokens.is_floating_point():
         if not torch.equal(num_tokens, num_tokens.round()):

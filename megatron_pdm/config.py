@@ -1,0 +1,205 @@
+"""PolicyLossConfig: the trust-region family as three independent axes plus aggregation.
+
+GRPO clip-higher, DPPO (4 variants), PDM (3 tail estimators + a TV version) and DRPO differ only
+in (algorithms.md §2-§4):
+
+    proximity   which divergence D is compared with delta(sign A)
+    direction   how "moving away" is decided: sign(A (r - 1)) or sign(A * Ddot) (predictive)
+    shaping     a hard mask (coefficient A * min(r, C) * M) or DRPO's smooth weight (A * r * w)
+
+so one dataclass describes all of them and `policy_loss` has no per-method branches. Presets
+reproduce the papers' defaults; each preset's docstring entry in PRESETS names its source.
+
+Config is plain data: `from_yaml` reads only these keys (unknown keys are an error), `to_dict`
+gives the resolved values for logging, and `with_overrides` applies dotted CLI overrides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+__all__ = ["PolicyLossConfig", "PRESETS", "PROXIMITIES", "DIRECTIONS", "SHAPINGS", "AGGREGATIONS"]
+
+PROXIMITIES = ("ratio", "binary_tv", "binary_kl", "topk_tv", "topk_kl", "none")
+DIRECTIONS = ("ratio", "predictive")
+TAILS = ("aggregated", "uniform", "exact")
+SHAPINGS = ("mask", "drpo")
+AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+@dataclass(kw_only=True)
+class PolicyLossConfig:
+    """One member of the trust-region family. See the module docstring and PRESETS."""
+
+    proximity: str = "topk_kl"
+    """Divergence D for the proximity test: "ratio" (|r - 1|, PPO/GRPO clip with delta_low/high
+    as eps_low/high), "binary_tv" |pi_k - mu_k|, "binary_kl", "topk_tv", "topk_kl" (§2.3), or
+    "none" (D = 0: never out of region)."""
+
+    direction: str = "predictive"
+    """"ratio": moving away iff A (r - 1) > 0 (PPO/DPPO); "predictive": iff A * Ddot > 0 with
+    Ddot the first-order change of D along the token's step (PDM, §3.2; TV ties per §3.6)."""
+
+    tail: str = "aggregated"
+    """Tail estimator of the predictive direction: "aggregated" | "uniform" (PDM paper) |
+    "exact" (exact derivative of D_K / exact P2 for TV, §7.1, §3.6). Also used for the
+    direction-disagreement metric when direction == "ratio"."""
+
+    shaping: str = "mask"
+    """"mask": coeff = A * min(r, C) * M; "drpo": coeff = A * min(r, C) * w with
+    w = 1 - s * D / delta(sign A), s = +1 moving away / -1 moving back (§4.2)."""
+
+    delta_low: float = 0.15
+    """Threshold for tokens with A < 0 (eps_low for proximity "ratio")."""
+
+    delta_high: float = 0.15
+    """Threshold for tokens with A > 0 (eps_high for proximity "ratio")."""
+
+    ratio_cap: float = math.inf
+    """C in min(r, C) (truncated importance weight; inf disables it, §2.2)."""
+
+    log_ratio_clamp: float = 20.0
+    """log r = log pi_k - log mu_k is clamped to [-x, x] before exp (both reference codes)."""
+
+    noise_floor: float | None = None
+    """Optional §7.5 fallback (predictive KL only): c_rel of the rollout logprob error. Tokens
+    whose |Ddot - local| is below (interval width + c_rel * sum_S mu_i pi_i) use the ratio
+    direction instead. None (default) disables it; ~1e-3 suits bf16 engines."""
+
+    aggregation: str = "token-mean"
+    """"token-mean": (sum loss, #loss tokens); "seq-mean-token-sum": (sum loss, #sequences);
+    "seq-mean-token-sum-norm": (sum loss / loss_horizon, #sequences)."""
+
+    loss_horizon: int | None = None
+    """Constant divisor for "seq-mean-token-sum-norm" (e.g. the max response length)."""
+
+    def __post_init__(self) -> None:
+        for name, allowed in (
+            ("proximity", PROXIMITIES),
+            ("direction", DIRECTIONS),
+            ("tail", TAILS),
+            ("shaping", SHAPINGS),
+            ("aggregation", AGGREGATIONS),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.direction == "predictive" and self.proximity in ("ratio", "none"):
+            raise ValueError(
+                f"direction='predictive' needs a divergence proximity, got {self.proximity!r}"
+            )
+        if self.shaping == "drpo" and self.proximity == "none":
+            raise ValueError("shaping='drpo' needs a proximity divergence (DRPO: 'binary_tv')")
+        for name in ("delta_low", "delta_high", "ratio_cap", "log_ratio_clamp"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value!r}")
+        if self.noise_floor is not None:
+            if self.noise_floor < 0:
+                raise ValueError(f"noise_floor must be >= 0, got {self.noise_floor}")
+            if self.direction != "predictive" or self.divergence_kind != "kl":
+                raise ValueError("noise_floor applies to the predictive KL direction only")
+        if self.aggregation == "seq-mean-token-sum-norm":
+            if self.loss_horizon is None or self.loss_horizon <= 0:
+                raise ValueError("seq-mean-token-sum-norm needs loss_horizon > 0")
+
+    @property
+    def divergence_kind(self) -> str:
+        """"tv" for TV proximities, else "kl" (the kind of Ddot used by the direction)."""
+        return "tv" if self.proximity in ("binary_tv", "topk_tv") else "kl"
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> "PolicyLossConfig":
+        """A preset by name (see PRESETS), with optional keyword overrides."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; available: {sorted(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "PolicyLossConfig":
+        """From a flat dict; an optional "preset" key gives the base values."""
+        data = dict(data)
+        base = data.pop("preset", None)
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"unknown PolicyLossConfig keys: {unknown}")
+        if "ratio_cap" in data and isinstance(data["ratio_cap"], str):
+            data["ratio_cap"] = float(data["ratio_cap"])
+        return cls.preset(base, **data) if base is not None else cls(**data)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> "PolicyLossConfig":
+        """Reads a yaml mapping of these fields (optionally `preset: name`). Unknown keys raise."""
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a mapping at top level")
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Resolved values (yaml-safe: inf is written as the string "inf")."""
+        out = dataclasses.asdict(self)
+        if math.isinf(out["ratio_cap"]):
+            out["ratio_cap"] = "inf"
+        return out
+
+    def with_overrides(self, overrides: dict[str, Any] | list[str]) -> "PolicyLossConfig":
+        """A copy with overrides applied.
+
+        Args:
+            overrides: {"delta_high": 0.2} or CLI strings ["delta_high=0.2"]; keys may carry a
+                dotted "policy_loss." prefix. String values are parsed as yaml scalars.
+        """
+        if isinstance(overrides, (list, tuple)):
+            pairs = {}
+            for item in overrides:
+                if "=" not in item:
+                    raise ValueError(f"override {item!r} is not key=value")
+                key, value = item.split("=", 1)
+                pairs[key.strip()] = value
+            overrides = pairs
+        data = self.to_dict()
+        for key, value in overrides.items():
+            field = key.split(".", 1)[1] if key.startswith("policy_loss.") else key
+            if field not in data:
+                raise ValueError(f"unknown PolicyLossConfig key {key!r}")
+            data[field] = yaml.safe_load(value) if isinstance(value, str) else value
+        return PolicyLossConfig.from_dict(data)
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # GRPO clip-higher: eps_low 0.2 / eps_high 0.28 [P-DPPO App. C.1; C-verl]; C = inf in the
+    # sanity study [P-DPPO App. C.1]. Proximity |r-1| + ratio direction is exactly PPO's clip.
+    "grpo": dict(proximity="ratio", direction="ratio", delta_low=0.2, delta_high=0.28),
+    # DPPO Binary-TV delta 0.15 [P-DPPO App. C.1; C-verl dppo_tv] (0.2 in scaling runs).
+    "dppo-binary-tv": dict(proximity="binary_tv", direction="ratio", delta_low=0.15,
+                           delta_high=0.15),
+    # DPPO Binary-KL delta 0.05 [P-DPPO App. C.1, E; C-verl dppo_kl].
+    "dppo-binary-kl": dict(proximity="binary_kl", direction="ratio", delta_low=0.05,
+                           delta_high=0.05),
+    # DPPO TopK-TV delta 0.2, K = 20 [P-DPPO App. F.3].
+    "dppo-topk-tv": dict(proximity="topk_tv", direction="ratio", delta_low=0.2, delta_high=0.2),
+    # DPPO TopK-KL delta 0.05, K = 20 [P-DPPO App. F.3].
+    "dppo-topk-kl": dict(proximity="topk_kl", direction="ratio", delta_low=0.05,
+                         delta_high=0.05),
+    # PDM TopK-KL, delta 0.15, aggregated tail, ratio cap 5 [P-PDM notes; C-slime-fork, §3.8].
+    "pdm-agg": dict(proximity="topk_kl", direction="predictive", tail="aggregated",
+                    delta_low=0.15, delta_high=0.15, ratio_cap=5.0),
+    # PDM uniform-tail estimator, otherwise as pdm-agg [P-PDM, §3.3].
+    "pdm-uniform": dict(proximity="topk_kl", direction="predictive", tail="uniform",
+                        delta_low=0.15, delta_high=0.15, ratio_cap=5.0),
+    # Exact derivative of D_K (§7.1, [D]), otherwise as pdm-agg.
+    "pdm-exact": dict(proximity="topk_kl", direction="predictive", tail="exact",
+                      delta_low=0.15, delta_high=0.15, ratio_cap=5.0),
+    # PDM-TopK-TV with exact P2 (§3.6, §7.6.1, [D]); delta 0.2 as DPPO TopK-TV [P-DPPO App. F.3].
+    "pdm-tv": dict(proximity="topk_tv", direction="predictive", tail="exact", delta_low=0.2,
+                   delta_high=0.2, ratio_cap=5.0),
+    # DRPO: Binary-TV geometry, weight w, delta 12.5, no ratio cap [P-DRPO §4 via C-UniRL, §4.3].
+    "drpo": dict(proximity="binary_tv", direction="ratio", shaping="drpo", delta_low=12.5,
+                 delta_high=12.5),
+}

@@ -1,0 +1,59 @@
+"""Metric keys and the [sum, count] convention of megatron-core's loss contract.
+
+Every metric is a detached 2-vector tensor([sum, count]); megatron-core sums these over
+micro-batches and data-parallel ranks, so sum / count is an exact mean over all counted tokens.
+The keys are constants here so that trainer logging, plots and tests share one spelling.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MASKED_FRAC = "pdm/masked_frac"
+"""Fraction of loss tokens with A != 0 whose keep-mask is 0."""
+MASKED_FRAC_POS_ADV = "pdm/masked_frac_pos_adv"
+"""Masked fraction among loss tokens with A > 0."""
+MASKED_FRAC_NEG_ADV = "pdm/masked_frac_neg_adv"
+"""Masked fraction among loss tokens with A < 0."""
+OUT_OF_REGION_FRAC = "pdm/out_of_region_frac"
+"""Fraction of loss tokens with A != 0 and D > delta(sign A)."""
+DIRECTION_DISAGREE_FRAC = "pdm/direction_disagree_frac"
+"""Fraction (A != 0, with support) where sign(A (r-1)) != sign(A Ddot) (ratio vs predictive)."""
+DIRECTION_UNCERTAIN_FRAC = "pdm/direction_uncertain_frac"
+"""Fraction (A != 0, with support) whose §7.2 certified full-KL interval straddles 0."""
+DIVERGENCE_MEAN = "pdm/divergence_mean"
+"""Mean of the proximity divergence D used by the mask, over loss tokens."""
+TOPK_KL_MEAN = "pdm/topk_kl_mean"
+TOPK_TV_MEAN = "pdm/topk_tv_mean"
+PI_TAIL_MEAN = "pdm/pi_tail_mean"
+MU_TAIL_MEAN = "pdm/mu_tail_mean"
+ABS_PROB_DIFF = "pdm/abs_prob_diff"
+"""Mean |pi_k - mu_k| over loss tokens (the mismatch curve of the DPPO paper)."""
+RATIO_MEAN = "pdm/ratio_mean"
+DRPO_WEIGHT_MEAN = "pdm/drpo_weight_mean"
+"""Mean DRPO weight w over loss tokens (only with shaping='drpo')."""
+ABS_LOGPROB_DIFF = "mismatch/abs_logprob_diff"
+"""Mean |log pi_k - log mu_k| over loss tokens."""
+LOSS_PG = "loss/pg"
+"""Policy-gradient surrogate: sum of per-token losses and the number of loss tokens."""
+
+ALL_KEYS = (
+    MASKED_FRAC, MASKED_FRAC_POS_ADV, MASKED_FRAC_NEG_ADV, OUT_OF_REGION_FRAC,
+    DIRECTION_DISAGREE_FRAC, DIRECTION_UNCERTAIN_FRAC, DIVERGENCE_MEAN, TOPK_KL_MEAN,
+    TOPK_TV_MEAN, PI_TAIL_MEAN, MU_TAIL_MEAN, ABS_PROB_DIFF, RATIO_MEAN, DRPO_WEIGHT_MEAN,
+    ABS_LOGPROB_DIFF, LOSS_PG,
+)
+
+
+def sum_count(values_N: torch.Tensor, where_N: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """tensor([sum of values where `where_N`, count of `where_N`]), detached, in `dtype`."""
+    with torch.no_grad():
+        sel = where_N.to(torch.bool)
+        total = torch.where(sel, values_N.detach().to(dtype), 0.0).sum()
+        return torch.stack([total, sel.sum().to(dtype)])
+
+
+def mean_of(metric: torch.Tensor) -> float:
+    """sum / count of one [sum, count] metric (nan when the count is 0)."""
+    s, c = metric.tolist()
+    return s / c if c else float("nan")
