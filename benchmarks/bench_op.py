@@ -3,7 +3,7 @@
 What is compared, on the same [N, V/TP] logits shard, in one invocation:
   ce      megatron.core.tensor_parallel.vocab_parallel_cross_entropy, fwd + bwd
   op      megatron_pdm.token_stats (support S = K + 1 = 21) + backward of sum(g * logprob)
-  op_inplace  the same with inplace_grad=True (fp32: gradient written into the logits' storage,
+  op_inplace  the same with inplace=True (fp32: exp kept in the logits storage for backward,
           as Megatron's CE does; bf16 ignores the flag)
   gather  "gather then log_softmax": concatenate the TP shards into full [N, V] logits (what an
           all-gather produces), fp32 log_softmax, gather the sampled ids, fwd + bwd
@@ -91,7 +91,7 @@ def _step_fn(variant, shard, other, sampled, ids, logprobs, valid):
 
         def step(x):
             stats = pdm.token_stats(x, sampled, ids, logprobs, valid, vocab_size=x.shape[1],
-                                    inplace_grad=inplace)
+                                    inplace=inplace)
             stats.logprob.sum().backward()
 
         return step

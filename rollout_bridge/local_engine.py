@@ -175,6 +175,18 @@ class LocalEngine:
                     self.rollout_precision or "fp32")
         return self._version
 
+    def state_dict(self) -> dict:
+        """Sampling state that, with the loaded weights, fixes the next samples (for resume)."""
+        return {"seed": self.seed, "calls": self._calls, "num_updates": self._num_updates,
+                "version": self._version}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores `state_dict()` (the weights are restored separately)."""
+        self.seed = int(state["seed"])
+        self._calls = int(state["calls"])
+        self._num_updates = int(state["num_updates"])
+        self._version = str(state["version"])
+
     def load_weights_from_disk(self, model_path: str, version: str | None = None,
                                name_map: Callable[[str], str] | None = None) -> str:
         """`update_weights` from a safetensors file/directory (what SGLang's endpoint does)."""

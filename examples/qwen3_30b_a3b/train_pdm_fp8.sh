@@ -12,7 +12,9 @@
 #        python tools/convert_hf_to_megatron.py --hf-dir Qwen3-30B-A3B --out $MCORE_CKPT \
 #            --tp 4 --ep 8 --key-style te
 #      and verified: python tools/verify_conversion.py --hf-dir ... --megatron-dir $MCORE_CKPT;
-#   3. SGLang servers up at $SGLANG_URL serving the same weights (launch_sglang.sh).
+#   3. SGLang servers up at $SGLANG_URL serving the same weights (launch_sglang.sh), able to
+#      read $SYNC_DIR (shared file system) where the trainer writes each weight version;
+#   4. prompts at $PROMPTS (JSONL, {"prompt": ..., "answer": ...}).
 # Expected memory per GPU (megatron_pdm.layout.estimate_memory, 2 nodes = world 16, TP4 EP8 PP1
 #   DP4, bf16, distributed optimizer, full recompute, micro-batch 1 x 8192 tokens):
 #   weights 7.5 GiB, fp32 grads 15.0 GiB, Adam 21.4 GiB, activations 0.7 GiB, logits 2.3 GiB
@@ -33,6 +35,8 @@ EP="${EP:-8}"
 PP="${PP:-1}"
 MCORE_CKPT="${MCORE_CKPT:-/checkpoints/qwen3-30b-a3b-mcore}"
 HF_CKPT="${HF_CKPT:-/checkpoints/Qwen3-30B-A3B}"
+SYNC_DIR="${SYNC_DIR:-/checkpoints/qwen3-30b-a3b-pdm-sync}"
+PROMPTS="${PROMPTS:-/data/prompts.jsonl}"
 SGLANG_URL="${SGLANG_URL:-http://127.0.0.1:30000}"
 SEQ_LENGTH="${SEQ_LENGTH:-8192}"
 LOG_DIR="${LOG_DIR:-runs/qwen3_30b_a3b_pdm/logs}"
@@ -61,8 +65,14 @@ CHECKPOINT_ARGS=(
 )
 # rollout: SGLang servers holding the same model, top-K logprobs returned for the PDM mask
 ROLLOUT_ARGS=(
+# (the trainer writes HF safetensors of each weight version to SYNC_DIR/v<N>, a directory the
+# servers can read, and calls /update_weights_from_disk; HF_CKPT itself is never written)
     --set rollout.engine=sglang --set "rollout.sglang_url=${SGLANG_URL}"
-    --set "rollout.hf_checkpoint=${HF_CKPT}" --set "rollout.max_sequence_length=${SEQ_LENGTH}"
+    --set "rollout.hf_checkpoint=${SYNC_DIR}" --set "rollout.max_sequence_length=${SEQ_LENGTH}"
+)
+# data: JSONL prompts {"prompt", "answer"}, tokenized with the HF checkpoint's tokenizer
+DATA_ARGS=(
+    --set task.name=jsonl --set "task.path=${PROMPTS}" --set "task.tokenizer_dir=${HF_CKPT}"
 )
 # PDM loss (preset and knobs in pdm.yaml)
 LOSS_ARGS=(
@@ -74,10 +84,10 @@ MEMORY_ARGS=(
 )
 
 # the megatron-style model flags are informational for the driver (it builds from pdm.yaml's
-# model section); print them so the log records the architecture
+# model section, checked against $MCORE_CKPT/pdm_model.json); print them for the log
 echo "model: ${MODEL_ARGS[*]}"
 
 torchrun "${DISTRIBUTED_ARGS[@]}" -m megatron_pdm.train \
     --config "${HERE}/pdm.yaml" \
     "${PARALLEL_ARGS[@]}" "${PRECISION_ARGS[@]}" "${CHECKPOINT_ARGS[@]}" \
-    "${ROLLOUT_ARGS[@]}" "${LOSS_ARGS[@]}" "${MEMORY_ARGS[@]}" "$@"
+    "${ROLLOUT_ARGS[@]}" "${DATA_ARGS[@]}" "${LOSS_ARGS[@]}" "${MEMORY_ARGS[@]}" "$@"

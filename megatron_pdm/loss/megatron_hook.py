@@ -89,7 +89,7 @@ def _tp_group():
 
 def policy_loss_func(output_tensor: torch.Tensor, *, batch: Any, cfg: pdm.PolicyLossConfig,
                      vocab_size: int, temperature: float = 1.0, layout: str = "auto",
-                     tp_group: Any = "parallel_state"):
+                     tp_group: Any = "parallel_state", inplace: bool = True):
     """megatron-core loss_func: PDM/DPPO/GRPO/DRPO policy loss on vocab-parallel logits.
 
     Args:
@@ -100,6 +100,7 @@ def policy_loss_func(output_tensor: torch.Tensor, *, batch: Any, cfg: pdm.Policy
         temperature: sampling temperature of the rollouts.
         layout: see `to_bsv`.
         tp_group: process group; default: megatron's TP group (None when TP == 1).
+        inplace: let the op work in the logits' storage (fp32 logits; see `token_stats`).
 
     Returns:
         (loss_sum, num_tokens int tensor, metrics {key: tensor([sum, count])}).
@@ -108,23 +109,38 @@ def policy_loss_func(output_tensor: torch.Tensor, *, batch: Any, cfg: pdm.Policy
     b, s = labels_bs.shape
     logits_bsv = to_bsv(output_tensor, b, s, layout)
     group = _tp_group() if tp_group == "parallel_state" else tp_group
-    rows_N = _field(batch, "loss_mask").reshape(-1).to(torch.bool)
-    flat = {name: _field(batch, name).reshape(b * s, *(_field(batch, name).shape[2:]))[rows_N]
-            for name in _FIELDS}
-    logits_NVl = logits_bsv.reshape(b * s, logits_bsv.shape[-1])[rows_N]
+    # All rows go through the op as a view of the logits (no row-selection copy, like megatron's
+    # CE): rows without a loss carry an all-invalid support and loss_mask False, so they add no
+    # gradient. For [s, b, Vl] logits the small per-token fields are transposed instead.
+    if logits_bsv.is_contiguous():
+        logits_NVl = logits_bsv.reshape(b * s, logits_bsv.shape[-1])
+        order = "bs"
+    else:
+        logits_NVl = output_tensor.reshape(s * b, output_tensor.shape[-1])
+        order = "sb"
+
+    def flat(name: str) -> torch.Tensor:
+        t = _field(batch, name)
+        if order == "sb":
+            t = t.transpose(0, 1)
+        return t.reshape(b * s, *t.shape[2:])
+
+    f = {name: flat(name) for name in _FIELDS}
+    mask_N = f["loss_mask"].to(torch.bool)
+    # inplace: fp32 logits are consumed like megatron's CE consumes them (exp kept in their
+    # storage for backward, gradient written there); nothing else reads the logits afterwards.
     stats = pdm.token_stats(
-        logits_NVl, flat["labels"], flat["support_ids"].long(), flat["support_logprobs"],
-        flat["support_valid"], tp_group=group, vocab_size=vocab_size, temperature=temperature)
-    out = pdm.policy_loss(stats, flat["advantages"], flat["behavior_logprob"],
-                          torch.ones_like(flat["labels"], dtype=torch.bool), cfg,
-                          seq_ids=flat["seq_ids"])
+        logits_NVl, f["labels"], f["support_ids"].long(), f["support_logprobs"],
+        f["support_valid"], tp_group=group, vocab_size=vocab_size, temperature=temperature,
+        inplace=inplace)
+    out = pdm.policy_loss(stats, f["advantages"], f["behavior_logprob"], mask_N, cfg,
+                          seq_ids=f["seq_ids"])
     loss_sum, num_tokens, metrics = out
     metrics = dict(metrics)
-    ones_N = torch.ones_like(flat["behavior_logprob"], dtype=torch.bool)
     if M.ABS_LOGPROB_DIFF not in metrics:
         metrics[M.ABS_LOGPROB_DIFF] = M.sum_count(
-            (stats.logprob.detach() - flat["behavior_logprob"]).abs(), ones_N, torch.float64)
-    metrics["tokens/loss"] = M.sum_count(ones_N.double(), ones_N, torch.float64)
+            (stats.logprob.detach() - f["behavior_logprob"]).abs(), mask_N, torch.float64)
+    metrics["tokens/loss"] = M.sum_count(mask_N.double(), mask_N, torch.float64)
     # The row selection keeps the graph connected to the logits even for a micro-batch without
     # loss rows, so the schedule's backward runs identically on every rank. Only if some path
     # returns a constant (e.g. a degenerate config) connect it explicitly; this costs a pass over
@@ -139,10 +155,10 @@ def policy_loss_func(output_tensor: torch.Tensor, *, batch: Any, cfg: pdm.Policy
 
 
 def make_loss_func(batch: Any, cfg: pdm.PolicyLossConfig, *, vocab_size: int,
-                   temperature: float = 1.0, layout: str = "auto"):
+                   temperature: float = 1.0, layout: str = "auto", inplace: bool = True):
     """Binds a micro-batch: returns `loss_func(output_tensor)` for a megatron forward_step."""
     return functools.partial(policy_loss_func, batch=batch, cfg=cfg, vocab_size=vocab_size,
-                             temperature=temperature, layout=layout)
+                             temperature=temperature, layout=layout, inplace=inplace)
 
 
 def reduce_metrics(forward_data_store: list[dict], group=None) -> dict[str, float]:

@@ -68,8 +68,11 @@ def wrap_ddp(model: torch.nn.Module, config, *, use_distributed_optimizer: bool)
 
 def build_optimizer(ddp_model, *, lr: float, weight_decay: float, clip_grad: float,
                     adam_beta1: float = 0.9, adam_beta2: float = 0.999, adam_eps: float = 1e-8,
-                    use_distributed_optimizer: bool = False):
+                    use_distributed_optimizer: bool = False, params_dtype: str = "fp32"):
     """megatron-core Adam (`get_megatron_optimizer`) over the DDP-wrapped model.
+
+    `params_dtype="bf16"`: bf16 model params with fp32 main params, grads and Adam state
+    (megatron's Float16OptimizerWithFloat16Params, or the DistributedOptimizer's fp32 shards).
 
     Returns a `ChainedOptimizer` (dense and expert parameter groups) or a single optimizer.
     """
@@ -78,7 +81,8 @@ def build_optimizer(ddp_model, *, lr: float, weight_decay: float, clip_grad: flo
     cfg = OptimizerConfig(
         optimizer="adam", lr=lr, min_lr=lr, weight_decay=weight_decay, clip_grad=clip_grad,
         adam_beta1=adam_beta1, adam_beta2=adam_beta2, adam_eps=adam_eps,
-        bf16=False, fp16=False, params_dtype=torch.float32,
+        bf16=params_dtype == "bf16", fp16=False,
+        params_dtype=torch.bfloat16 if params_dtype == "bf16" else torch.float32,
         use_distributed_optimizer=use_distributed_optimizer,
     )
     return get_megatron_optimizer(cfg, [ddp_model])

@@ -39,16 +39,19 @@ class ParallelInfo:
     tp_size: int
     ep_rank: int
     ep_size: int
+    pp_rank: int
+    pp_size: int
     dp_rank: int
     dp_size: int
 
 
-def init_parallel(*, tp: int = 1, ep: int = 1, seed: int = 1234) -> ParallelInfo:
+def init_parallel(*, tp: int = 1, ep: int = 1, pp: int = 1, seed: int = 1234) -> ParallelInfo:
     """Initialise torch.distributed (if needed) and megatron's parallel_state.
 
     Args:
         tp: Tensor-parallel size (sequence parallelism is switched on by the model config).
         ep: Expert-parallel size (expert tensor parallel size is 1).
+        pp: Pipeline-parallel size.
         seed: Seed for torch and megatron's model-parallel RNG.
 
     Returns:
@@ -64,12 +67,13 @@ def init_parallel(*, tp: int = 1, ep: int = 1, seed: int = 1234) -> ParallelInfo
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend=backend)
     world = dist.get_world_size()
-    if world % (tp * 1) or world % ep:
-        raise ValueError(f"world size {world} not divisible by tp={tp} / ep={ep}")
+    if world % (tp * pp) or world % ep:
+        raise ValueError(f"world size {world} not divisible by tp*pp={tp * pp} / ep={ep}")
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=1,
     )
@@ -91,6 +95,8 @@ def current_parallel_info() -> ParallelInfo:
         tp_size=ps.get_tensor_model_parallel_world_size(),
         ep_rank=ps.get_expert_model_parallel_rank(),
         ep_size=ps.get_expert_model_parallel_world_size(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        pp_size=ps.get_pipeline_model_parallel_world_size(),
         dp_rank=ps.get_data_parallel_rank(),
         dp_size=ps.get_data_parallel_world_size(),
     )

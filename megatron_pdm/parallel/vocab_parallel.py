@@ -20,7 +20,7 @@ Backward is the cross-entropy backward of the sampled token only:
 d log pi_k / d logits = (onehot_k - softmax) / temperature, local to each shard. Every other
 statistic is detached.
 
-Memory (the design choice): the op saves the logits tensor by reference (no copy) plus [N]
+Memory (the design choice): by default the op saves the logits tensor by reference (no copy) plus [N]
 vectors, and *recomputes* the softmax chunk by chunk in backward instead of keeping an fp32
 [N, Vl] softmax like Megatron's CE does. Forward uses one reusable fp32 row-chunk buffer of at
 most `chunk_elems` elements (default 2^24 = 64 MiB); the only full-size allocation is the
@@ -29,9 +29,10 @@ gradient, in the logits' dtype, which fp32/fp64 backward computes in place of it
 [N, Vl] gradient: for fp32 logits the same as Megatron's CE (which overwrites the logits with the
 softmax and that with the gradient), for bf16 logits half of CE's fp32 softmax. The logits must
 stay alive until backward (they are saved), which Megatron's CE does not need for fp32 inputs.
-`inplace_grad=True` (fp32/fp64) writes the gradient into the logits' storage instead, like
-Megatron's CE, so backward allocates nothing of size [N, Vl]. The price of recomputation is a
-second exp pass in backward; benchmarks/bench_op.py measures it.
+`inplace=True` (fp32/fp64; what the Megatron adapter uses) works in the logits' storage like
+Megatron's CE: forward leaves exp(z/T - m) there and backward turns it into the gradient with one
+scaling pass, so there is no [N, Vl] allocation and a single exp pass. The default (logits kept
+intact) pays a second exp pass in backward; benchmarks/bench_op.py measures both.
 
 Padding: ids >= vocab_size form a suffix of the padded range; each shard slices its real prefix
 (parallel/shards.py), so padded logits never enter a sum and no masked copy is made.
@@ -92,8 +93,11 @@ def _shifted(src_RV: torch.Tensor, shift_R: torch.Tensor, temperature: float,
     on CPU, and bf16 / python-scalar would divide in bf16 before the cast.
     """
     if temperature == 1.0 and src_RV.dtype == out_RV.dtype:
+        if out_RV.data_ptr() == src_RV.data_ptr():
+            return out_RV.sub_(shift_R[:, None])
         return torch.sub(src_RV, shift_R[:, None], out=out_RV)
-    out_RV.copy_(src_RV)
+    if out_RV.data_ptr() != src_RV.data_ptr():
+        out_RV.copy_(src_RV)
     if temperature != 1.0:
         out_RV.div_(temperature)
     return out_RV.sub_(shift_R[:, None])
@@ -151,6 +155,7 @@ def shard_sum_partials(
     shard: ShardInfo,
     temperature: float,
     chunk_elems: int = DEFAULT_CHUNK_ELEMS,
+    inplace: bool = False,
 ) -> torch.Tensor:
     """Local partial sums, relative to the *global* row max, packed for one SUM all-reduce.
 
@@ -158,6 +163,10 @@ def shard_sum_partials(
     so its sums are the exact tail sums Z_T and S2_T; the full sums add the (positive) support
     terms back from the gathered logits: no subtraction of nearly equal numbers anywhere except
     removing e_k on rows whose sampled token is not in the support (padding rows).
+
+    With `inplace` (logits already in the working dtype) the exponentials are computed in the
+    logits' own storage instead of the chunk buffer and left there (support columns restored
+    bit-exactly), so backward can reuse them without a second exp pass.
 
     Returns:
         [N, S + 6] working dtype: z_S (owned slots, else 0) | z_k (if owned) | Z | S2 | Z_T |
@@ -182,13 +191,21 @@ def shard_sum_partials(
         z_s_RS = torch.where(own_RS, real_RV.gather(1, idx_NS[r0:r1]).to(work) / temperature, 0.0)
         z_k_R = real_RV.gather(1, k_idx_N[r0:r1, None]).squeeze(1).to(work) / temperature
         z_k_R = torch.where(k_owned_N[r0:r1], z_k_R, 0.0)
-        if buf is None:  # the only [rows, Vl] temporary, reused by every chunk
-            buf = torch.empty((r1 - r0, shard.n_real), dtype=work, device=logits_NVl.device)
-        e_RV = _shifted(real_RV, m_R, temperature, buf[: r1 - r0]).exp_()
+        if inplace:
+            e_RV = _shifted(real_RV, m_R, temperature, real_RV).exp_()
+        else:
+            if buf is None:  # the only [rows, Vl] temporary, reused by every chunk
+                buf = torch.empty((r1 - r0, shard.n_real), dtype=work, device=logits_NVl.device)
+            e_RV = _shifted(real_RV, m_R, temperature, buf[: r1 - r0]).exp_()
         r_idx, s_idx = own_RS.nonzero(as_tuple=True)
-        e_RV[r_idx, idx_NS[r0:r1][r_idx, s_idx]] = 0.0
+        c_idx = idx_NS[r0:r1][r_idx, s_idx]
+        kept_H = e_RV[r_idx, c_idx] if inplace else None
+        e_RV[r_idx, c_idx] = 0.0
         tail_R = e_RV.sum(-1)
-        tail2_R = e_RV.mul_(e_RV).sum(-1)
+        # sum of squares in one read pass (no squared temporary, e stays intact)
+        tail2_R = torch.linalg.vector_norm(e_RV, 2, -1).square_()
+        if inplace:
+            e_RV[r_idx, c_idx] = kept_H  # restore: the storage now holds exp(z/T - m) exactly
         e_s_RS = torch.where(own_RS, torch.exp(z_s_RS - m_R[:, None]), 0.0)
         e_k_R = torch.where(k_tail_N[r0:r1], torch.exp(z_k_R - m_R), 0.0)
         out_NP[r0:r1, :s] = z_s_RS
@@ -212,13 +229,16 @@ def shard_logprob_grad(
     temperature: float,
     chunk_elems: int = DEFAULT_CHUNK_ELEMS,
     inplace: bool = False,
+    holds_exp: bool = False,
 ) -> torch.Tensor:
     """Local gradient of sum_t grad_t * log pi_k(t): grad/T * (onehot_k - softmax), padding 0.
 
     The softmax is recomputed chunk by chunk from the saved logits (no saved fp32 softmax).
     fp32/fp64 logits are computed directly in the output; bf16 goes through one reused fp32
     chunk buffer. With `inplace` (fp32/fp64 only) the gradient overwrites the logits' storage,
-    as Megatron's CE does with its fp32 input; no [N, Vl] allocation at all.
+    as Megatron's CE does with its fp32 input; no [N, Vl] allocation at all. `holds_exp` means
+    the forward left exp(z/T - m) in the logits' storage (`token_stats(..., inplace=True)`): the
+    gradient is then one in-place scaling of it, with no exp pass.
 
     Returns:
         [N, Vl] in the logits' dtype.
@@ -226,6 +246,8 @@ def shard_logprob_grad(
     work = row_max_N.dtype
     n = logits_NVl.shape[0]
     direct = logits_NVl.dtype == work
+    if holds_exp and not (inplace and direct):
+        raise AssertionError("holds_exp requires in-place fp32/fp64 logits")
     if inplace and direct:
         out_NVl = logits_NVl
     else:
@@ -237,9 +259,16 @@ def shard_logprob_grad(
     shift_N = row_max_N + log_z_N
     k_local_N = sampled_ids_N.long() - shard.vocab_start
     k_owned_N = (k_local_N >= 0) & (k_local_N < shard.n_real)
+    if holds_exp:
+        factor_N = -scale_N * torch.exp(-log_z_N)  # softmax = e / Z
     buf = None
     for r0, r1 in _chunks(n, shard.n_real, chunk_elems):
         dst_RV = out_NVl[r0:r1, : shard.n_real]
+        if holds_exp:
+            dst_RV.mul_(factor_N[r0:r1, None])
+            rows = k_owned_N[r0:r1].nonzero().squeeze(-1)
+            dst_RV[rows, k_local_N[r0:r1][rows]] += scale_N[r0:r1][rows]
+            continue
         if direct:
             p_RV = dst_RV
         else:
@@ -266,7 +295,9 @@ class _VocabParallelTokenStats(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, sampled_ids, support_ids, support_valid, group, shard, temperature,
-                chunk_elems, inplace_grad):
+                chunk_elems, inplace):
+        # In-place mode keeps exp(z/T - m) in the logits' storage for backward (one exp pass).
+        holds_exp = bool(inplace) and logits.dtype == _work_dtype(logits.dtype)
         with torch.no_grad():
             max_N2 = shard_max_partials(
                 logits, support_ids, support_valid, shard, temperature, chunk_elems
@@ -275,7 +306,7 @@ class _VocabParallelTokenStats(torch.autograd.Function):
             max_N2 = _all_reduce(max_N2, dist.ReduceOp.MAX, group)
             sums_NP = shard_sum_partials(
                 logits, sampled_ids, support_ids, support_valid, max_N2[:, 0].contiguous(),
-                shard, temperature, chunk_elems,
+                shard, temperature, chunk_elems, inplace=holds_exp,
             )
             # Collective 2/2 (SUM): z_S, z_k, Z, S2, Z_T, S2_T, Z_-k in one packed tensor.
             sums_NP = _all_reduce(sums_NP, dist.ReduceOp.SUM, group)
@@ -285,7 +316,7 @@ class _VocabParallelTokenStats(torch.autograd.Function):
         logprob_N = sums_NP[:, s] - row_max_N - log_z_N
         ctx.save_for_backward(logits, sampled_ids, row_max_N, log_z_N)
         ctx.shard, ctx.temperature, ctx.chunk_elems = shard, temperature, chunk_elems
-        ctx.inplace_grad = inplace_grad
+        ctx.inplace, ctx.holds_exp = bool(inplace), holds_exp
         ctx.mark_non_differentiable(max_N2, sums_NP)
         return logprob_N, max_N2, sums_NP
 
@@ -297,7 +328,7 @@ class _VocabParallelTokenStats(torch.autograd.Function):
             # No collective: the CE backward is local to each vocab shard.
             grad_logits = shard_logprob_grad(
                 logits, sampled_ids, grad_logprob_N, row_max_N, log_z_N, ctx.shard,
-                ctx.temperature, ctx.chunk_elems, ctx.inplace_grad,
+                ctx.temperature, ctx.chunk_elems, ctx.inplace, ctx.holds_exp,
             )
         return grad_logits, None, None, None, None, None, None, None, None
 
@@ -314,7 +345,7 @@ def token_stats(
     temperature: float = 1.0,
     validate: bool = True,
     chunk_elems: int = DEFAULT_CHUNK_ELEMS,
-    inplace_grad: bool = False,
+    inplace: bool = False,
 ) -> TokenStats:
     """Per-token statistics of the training policy against the rollout support, vocab-parallel.
 
@@ -338,10 +369,12 @@ def token_stats(
         temperature: sampling temperature; logits are divided by it inside the op.
         validate: run the input checks of ops/validation.py (host syncs, no collectives).
         chunk_elems: bound on the elements of a working chunk.
-        inplace_grad: fp32/fp64 logits only: backward writes the gradient into the logits'
-            storage (Megatron-CE style, no [N, Vl] allocation). The logits hold the gradient
-            afterwards; do not use with retain_graph or when anything else reads the logits
-            after backward (autograd raises if another node saved them).
+        inplace: fp32/fp64 logits only (ignored for bf16, which needs an fp32 working copy
+            anyway): like Megatron's CE, forward overwrites the logits' real columns with
+            exp(z/T - m) and backward overwrites them with the gradient. One exp pass instead of
+            two and no [N, Vl] allocation. The caller's logits are destroyed: use it only when
+            nothing else reads them (autograd raises if another node saved them); not with
+            retain_graph.
 
     Returns:
         TokenStats in fp32 (fp64 for fp64 logits); only `.logprob` carries a gradient.
@@ -360,7 +393,7 @@ def token_stats(
     shard = shard_info(rank, world, logits.shape[1], vocab_size)
     logprob_N, max_N2, sums_NP = _VocabParallelTokenStats.apply(
         logits, sampled_ids, support_ids, support_valid, tp_group, shard, float(temperature),
-        int(chunk_elems), bool(inplace_grad),
+        int(chunk_elems), bool(inplace),
     )
     s = support_ids.shape[1]
     return assemble_token_stats(

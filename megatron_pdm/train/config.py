@@ -24,6 +24,8 @@ class ParallelConfig:
     """Tensor-parallel size (sequence parallelism on when > 1)."""
     ep: int = 1
     """Expert-parallel size (expert tensor parallel size is always 1)."""
+    pp: int = 1
+    """Pipeline-parallel size (megatron's 1F1B schedule; needs rollout.engine=sglang)."""
     use_distributed_optimizer: bool = True
     """megatron DistributedOptimizer (with the cpu-megatron.md §5.3 checkpoint workarounds);
     False gives the plain FP32Optimizer."""
@@ -31,8 +33,17 @@ class ParallelConfig:
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    """Qwen3-MoE architecture in miniature (vocab_size comes from the task's tokenizer)."""
+    """Qwen3-MoE architecture in miniature.
 
+    With `checkpoint.load_dir` every field must agree with the checkpoint's `pdm_model.json`
+    (a mismatch is an error naming the field) unless `from_checkpoint` is true, in which case the
+    architecture is taken from the checkpoint and these values are ignored.
+    """
+
+    from_checkpoint: bool = False
+    """Take the architecture from checkpoint.load_dir's pdm_model.json."""
+    vocab_size: int | None = None
+    """Model vocabulary (None: the task tokenizer's, or the checkpoint's with load_dir)."""
     hidden_size: int = 64
     num_layers: int = 2
     num_attention_heads: int = 4
@@ -53,11 +64,21 @@ class ModelConfig:
 @dataclass(kw_only=True)
 class TaskConfig:
     name: str = "addition"
-    """"addition": a+b, zero-padded operands, answer digits least significant first."""
+    """"addition": a+b, zero-padded operands, answer digits least significant first;
+    "jsonl": prompts from `path` tokenized with the HF tokenizer in `tokenizer_dir`."""
+    path: str | None = None
+    """jsonl: one JSON object per line with "prompt" and "answer"."""
+    tokenizer_dir: str | None = None
+    """jsonl: local HF tokenizer directory (AutoTokenizer, local files only)."""
+    eval_fraction: float = 0.0
+    """jsonl: last fraction of the file held out for the greedy evaluation (0: no evaluation)."""
     num_digits: int = 2
     """Digits per operand."""
     num_filler_tokens: int = 3
     """Unused vocabulary entries (makes the vocabulary a non-multiple of megatron's padding)."""
+    partial_credit: bool = False
+    """addition: reward = fraction of answer positions (digits + eos) that are correct instead
+    of exact match (a denser signal, used by tests on untrained models)."""
 
 
 @dataclass(kw_only=True)
@@ -70,7 +91,31 @@ class RolloutConfig:
     top_k: int = 8
     """K of the rollout top-K support (S = K + 1)."""
     rollout_precision: str | None = "bf16"
-    """Weights of the rollout copy: None (identical to training), "bf16" or "fp8"."""
+    """Weights of the rollout copy: None (identical to training), "bf16" or "fp8". With SGLang:
+    the dtype of the exported weights (bf16; fp8 exports bf16 and the server quantises on load,
+    `launch_sglang.sh ROLLOUT_PRECISION=fp8`)."""
+    engine: str = "local"
+    """"local": LocalEngine over a megatron copy on every rank (CPU demo); "sglang": rank 0
+    requests rollouts from SGLang servers and broadcasts them."""
+    sglang_url: str | None = None
+    """SGLang server base URL (engine=sglang)."""
+    hf_checkpoint: str | None = None
+    """engine=sglang: directory visible to the SGLang servers; the trainer writes the current
+    weights as HF safetensors to `<hf_checkpoint>/v<version>` at every weight sync."""
+    max_sequence_length: int | None = None
+    """Prompt + response tokens (None: the task's fixed length). Longer prompts are dropped."""
+    max_new_tokens: int | None = None
+    """Response cap (None: max_sequence_length - prompt length, or the task's answer length)."""
+    sync_at_start: bool = True
+    """engine=sglang: push the trainer's initial weights (version "0") before the first
+    rollout, so rollout and training start from identical weights."""
+    timeout_s: float = 600.0
+    """engine=sglang: total timeout of one /generate request."""
+    max_retries: int = 3
+    topk_transport: str = "json"
+    """engine=sglang: "json" or "flat_b64" (see docs/readme/bridge.md)."""
+    keep_synced: int = 2
+    """engine=sglang: exported weight directories kept on disk (older ones are deleted)."""
 
 
 @dataclass(kw_only=True)
@@ -95,6 +140,19 @@ class TrainConfig:
     adam_beta2: float = 0.99
     eval_prompts: int = 256
     """Held-out prompts for the greedy exact-match evaluation before/after warm-up and RL."""
+    recompute: str = "none"
+    """Activation recomputation: "none", "full" (every layer, uniform) or "selective"
+    (core attention)."""
+
+
+@dataclass(kw_only=True)
+class PrecisionConfig:
+    params_dtype: str = "fp32"
+    """"fp32" or "bf16" (megatron bf16 params with fp32 main grads and fp32 Adam state)."""
+    fp8: str | None = None
+    """None, "e4m3" or "hybrid" (Transformer Engine FP8 linear layers; CUDA + TE only)."""
+    fp8_recipe: str = "delayed"
+    """"delayed", "tensorwise", "blockwise" or "mxfp8" (megatron's fp8_recipe names)."""
 
 
 @dataclass(kw_only=True)
@@ -102,6 +160,9 @@ class CheckpointConfig:
     save_interval: int = 25
     """Save every this many iterations (0: only at the end)."""
     keep_last: int = 2
+    load_dir: str | None = None
+    """Initial weights: a dist checkpoint written by tools/convert_hf_to_megatron.py (with its
+    pdm_model.json), loaded at this run's layout. `--resume` from output_dir wins over it."""
     stop_after_iterations: int | None = None
     """Exit after this many iterations of this invocation (simulates an interruption)."""
 
@@ -123,6 +184,7 @@ class RunConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     loss: dict = field(default_factory=lambda: {"preset": "pdm-agg"})
     """`preset` plus optional PolicyLossConfig field overrides."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -133,7 +195,42 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> "RunConfig":
-        return _build(cls, data, "")
+        cfg = _build(cls, data, "")
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        """Refuses unknown enum values and inconsistent settings (all problems at once)."""
+        problems = []
+        for key, value, allowed in (
+                ("rollout.engine", self.rollout.engine, ("local", "sglang")),
+                ("rollout.rollout_precision", self.rollout.rollout_precision,
+                 (None, "fp32", "bf16", "fp8")),
+                ("rollout.topk_transport", self.rollout.topk_transport, ("json", "flat_b64")),
+                ("precision.params_dtype", self.precision.params_dtype, ("fp32", "bf16")),
+                ("precision.fp8", self.precision.fp8, (None, "e4m3", "hybrid")),
+                ("precision.fp8_recipe", self.precision.fp8_recipe,
+                 ("delayed", "tensorwise", "blockwise", "mxfp8")),
+                ("train.recompute", self.train.recompute, ("none", "full", "selective")),
+                ("task.name", self.task.name, ("addition", "jsonl"))):
+            if value not in allowed:
+                problems.append(f"{key}={value!r}, expected one of {list(allowed)}")
+        for key, value in (("parallel.tp", self.parallel.tp), ("parallel.ep", self.parallel.ep),
+                           ("parallel.pp", self.parallel.pp)):
+            if not isinstance(value, int) or value < 1:
+                problems.append(f"{key}={value!r}, expected an integer >= 1")
+        if self.rollout.engine == "sglang":
+            for key in ("sglang_url", "hf_checkpoint"):
+                if not getattr(self.rollout, key):
+                    problems.append(f"rollout.engine=sglang needs rollout.{key}")
+        if self.task.name == "jsonl":
+            for key in ("path", "tokenizer_dir"):
+                if not getattr(self.task, key):
+                    problems.append(f"task.name=jsonl needs task.{key}")
+        if self.model.from_checkpoint and not self.checkpoint.load_dir:
+            problems.append("model.from_checkpoint=true needs checkpoint.load_dir")
+        if problems:
+            raise ValueError("invalid config:\n  " + "\n  ".join(problems))
 
     @classmethod
     def load(cls, path: str | None, overrides: list[str] | None = None) -> "RunConfig":

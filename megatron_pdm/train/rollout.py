@@ -1,4 +1,4 @@
-"""The rollout side of the loop: a separate Megatron copy of the policy behind `LocalEngine`.
+"""The local rollout side of the loop: a separate Megatron copy of the policy behind `LocalEngine`.
 
 Every rank holds a second GPTModel with the trainer's TP/EP layout (the "engine copy"). Weight
 sync copies this rank's TP/EP-local trainer parameters into it through
@@ -12,6 +12,10 @@ every rank, so all ranks see bit-identical logits, sample identical tokens and t
 model the same number of times with the same shapes. It also right-pads inputs to a multiple of
 TP (sequence parallelism splits the sequence), which cannot change earlier positions of a causal
 model.
+
+Pipeline parallelism is not supported here (the engine copy would need its own pipeline
+schedule for every decode step); at scale rollouts come from SGLang (`rollout.engine: sglang`,
+sglang_rollout.py), which works with any PP.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from rollout_bridge.local_engine import LocalEngine
+from rollout_bridge.types import RolloutBatch
 
 
 class GatheredGPT(torch.nn.Module):
@@ -42,7 +47,8 @@ class GatheredGPT(torch.nn.Module):
             ids_bl = torch.cat([ids_bl, pad], dim=1)
         pos_bl = torch.arange(padded).expand(b, padded)
         logits_blv = self.gpt(ids_bl, pos_bl, attention_mask=None)  # [b, L, V/TP], causal
-        logits_blv = gather_from_tensor_model_parallel_region(logits_blv)[:, :length].contiguous()
+        logits_blv = gather_from_tensor_model_parallel_region(logits_blv)[:, :length]
+        logits_blv = logits_blv.float().contiguous()
         # Bit-identical logits on every rank => identical samples => lockstep collectives.
         dist.broadcast(logits_blv, src=0)
         return logits_blv
@@ -65,18 +71,21 @@ def build_engine(rollout_gpt: torch.nn.Module, *, vocab_size: int, top_k: int, s
     return engine
 
 
-def engine_state(engine: LocalEngine) -> dict:
-    """Counters that, together with the synced weights, determine the engine's next samples.
+class LocalRollout:
+    """Rollouts from the in-process engine copy (all ranks in lockstep)."""
 
-    Adapter: LocalEngine has no state_dict(); these are its private counters (seed, call count,
-    update count, version).
-    """
-    return {"seed": engine.seed, "calls": engine._calls, "num_updates": engine._num_updates,
-            "version": engine._version}
+    def __init__(self, engine: LocalEngine, trainer_module_fn):
+        self.engine = engine
+        self._module = trainer_module_fn
 
+    def generate(self, prompt_ids: list[list[int]], params: dict, n: int) -> RolloutBatch:
+        return self.engine.generate(prompt_ids, params, n=n)
 
-def load_engine_state(engine: LocalEngine, state: dict) -> None:
-    engine.seed = int(state["seed"])
-    engine._calls = int(state["calls"])
-    engine._num_updates = int(state["num_updates"])
-    engine._version = str(state["version"])
+    def sync(self, version: str) -> None:
+        self.engine.update_weights(engine_weights(self._module()), version=version)
+
+    def state_dict(self) -> dict:
+        return self.engine.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.engine.load_state_dict(state)

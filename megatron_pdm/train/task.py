@@ -53,14 +53,28 @@ class Tokenizer:
         return "".join(self.symbols[i] if 0 <= i < self.vocab_size else "?" for i in ids)
 
 
+def build_task(cfg):
+    """The task of `cfg.task` ("addition" or "jsonl")."""
+    t = cfg.task
+    if t.name == "jsonl":
+        from megatron_pdm.train.jsonl_task import JsonlTask
+
+        return JsonlTask(t.path, t.tokenizer_dir, eval_fraction=t.eval_fraction,
+                         max_sequence_length=cfg.rollout.max_sequence_length,
+                         max_new_tokens=cfg.rollout.max_new_tokens)
+    return AdditionTask(t.num_digits, Tokenizer(num_filler_tokens=t.num_filler_tokens),
+                        partial_credit=t.partial_credit)
+
+
 class AdditionTask:
     """Prompts, reference answers and the exact-match reward of d-digit addition."""
 
-    def __init__(self, num_digits: int, tokenizer: Tokenizer):
+    def __init__(self, num_digits: int, tokenizer: Tokenizer, *, partial_credit: bool = False):
         if num_digits < 1:
             raise ValueError(f"num_digits must be >= 1, got {num_digits}")
         self.d = num_digits
         self.tok = tokenizer
+        self.partial_credit = partial_credit
 
     @property
     def prompt_len(self) -> int:
@@ -87,6 +101,46 @@ class AdditionTask:
         """Deterministic operands for (seed, index): the data stream of iteration `index`."""
         g = torch.Generator().manual_seed(seed * 1_000_003 + index * 7919 + 17)
         return self.sample_operands(n, g)
+
+    # ---- the task interface used by the trainer (shared with jsonl_task.JsonlTask)
+
+    supports_sft = True
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.vocab_size
+
+    @property
+    def pad_id(self) -> int:
+        return self.tok.pad_id
+
+    @property
+    def eos_id(self) -> int:
+        return self.tok.eos_id
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.answer_len
+
+    @property
+    def max_prompt_len(self) -> int:
+        return self.prompt_len
+
+    def problems(self, seed: int, index: int, n: int) -> list[tuple[int, int]]:
+        return self.operands_for(seed, index, n)
+
+    def eval_problems(self, seed: int, n: int) -> list[tuple[int, int]]:
+        return self.operands_for(seed, -1, n)
+
+    def prompt_ids(self, problem: tuple[int, int]) -> list[int]:
+        return self.prompt(*problem)
+
+    def score(self, problem: tuple[int, int], response_ids: list[int]) -> float:
+        if self.partial_credit:
+            want = self.answer(*problem)
+            got = list(response_ids)
+            return sum(1.0 for i, w in enumerate(want) if i < len(got) and got[i] == w) / len(want)
+        return self.reward(*problem, response_ids)
 
     def reward(self, a: int, b: int, response_ids: list[int]) -> float:
         """1.0 iff the response is exactly the answer followed by eos, else 0.0."""

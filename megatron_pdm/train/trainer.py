@@ -37,11 +37,11 @@ from megatron_pdm.megatron import checkpoint as ckpt
 from megatron_pdm.megatron import optimizer as mopt
 from megatron_pdm.megatron.model import build_model, transformer_config
 from megatron_pdm.megatron.parallel import current_parallel_info, init_parallel
+from megatron_pdm.train import model_setup as ms
 from megatron_pdm.train import rollout as ro
 from megatron_pdm.train.config import RunConfig
 from megatron_pdm.train.logging_utils import MetricsWriter, Progress, is_rank0, log_rank0
-from megatron_pdm.train.task import AdditionTask, Tokenizer
-from megatron_pdm.train.trainer_arch import make_arch
+from megatron_pdm.train.task import build_task
 from rollout_bridge.packing import pack_padded
 from rollout_bridge.types import PackedBatch, group_advantages
 
@@ -63,19 +63,34 @@ class Trainer:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         self.loss_cfg = cfg.loss_config()
+        ms.check_runtime(cfg)
         p = cfg.parallel
-        self.info = init_parallel(tp=p.tp, ep=p.ep, seed=cfg.seed)
+        if p.pp > 1 and cfg.rollout.engine == "local":
+            raise ValueError(
+                f"parallel.pp={p.pp} needs rollout.engine=sglang: the local engine copy would "
+                "run a pipeline schedule per decode step (not implemented); at scale rollouts "
+                "come from SGLang")
+        self.info = init_parallel(tp=p.tp, ep=p.ep, pp=p.pp, seed=cfg.seed)
         from megatron.core import parallel_state as ps
 
         self.dp_group = ps.get_data_parallel_group()
-        self.tok = Tokenizer(num_filler_tokens=cfg.task.num_filler_tokens)
-        self.task = AdditionTask(cfg.task.num_digits, self.tok)
-        self.arch = make_arch(cfg, self.tok.vocab_size)
+        self.is_last_stage = ps.is_pipeline_last_stage(ignore_virtual=True)
+        self.task = build_task(cfg)
+        self.meta = (ms.read_checkpoint_meta(cfg.checkpoint.load_dir)
+                     if cfg.checkpoint.load_dir else None)
+        self.arch = ms.resolve_arch(cfg, self.task.vocab_size, meta=self.meta)
+        self.vocab_size = self.arch.vocab_size  # the engine's real vocabulary
         self.tconfig = transformer_config(
-            self.arch, tp=p.tp, ep=p.ep, init_method_std=cfg.model.init_method_std,
-            moe_aux_loss_coeff=cfg.model.moe_aux_loss_coeff, calculate_per_token_loss=True)
+            self.arch, tp=p.tp, ep=p.ep, pp=p.pp, init_method_std=cfg.model.init_method_std,
+            moe_aux_loss_coeff=cfg.model.moe_aux_loss_coeff, calculate_per_token_loss=True,
+            **ms.megatron_kwargs(cfg))
         torch.manual_seed(cfg.seed)
-        gpt = build_model(self.arch, self.tconfig)
+        stages = dict(pre_process=ps.is_pipeline_first_stage(ignore_virtual=True),
+                      post_process=self.is_last_stage, use_te=ms.use_te(cfg))
+        gpt = build_model(self.arch, self.tconfig, **stages)
+        if self.meta is not None:
+            ms.load_initial_weights(gpt, cfg.checkpoint.load_dir, self.meta, tp=p.tp,
+                                    style=ms.key_style(cfg))
         self.model = mopt.wrap_ddp(gpt, self.tconfig,
                                    use_distributed_optimizer=p.use_distributed_optimizer)
         from megatron.core.distributed import finalize_model_grads
@@ -85,13 +100,21 @@ class Trainer:
         self.optimizer = mopt.build_optimizer(
             self.model, lr=t.lr, weight_decay=t.weight_decay, clip_grad=t.clip_grad,
             adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2,
-            use_distributed_optimizer=p.use_distributed_optimizer)
-        rollout_gpt = build_model(self.arch, self.tconfig)  # weights overwritten by every sync
+            use_distributed_optimizer=p.use_distributed_optimizer,
+            params_dtype=cfg.precision.params_dtype)
         r = cfg.rollout
-        self.engine = ro.build_engine(
-            rollout_gpt, vocab_size=self.tok.vocab_size, top_k=r.top_k, seed=cfg.seed,
-            rollout_precision=r.rollout_precision, eos_id=self.tok.eos_id,
-            pad_id=self.tok.pad_id, tp_size=p.tp)
+        if r.engine == "sglang":
+            from megatron_pdm.train.sglang_rollout import SGLangRollout
+
+            self.rollout = SGLangRollout(cfg, self.arch, lambda: self.module, meta=self.meta,
+                                         style=ms.key_style(cfg))
+        else:
+            rollout_gpt = build_model(self.arch, self.tconfig, use_te=ms.use_te(cfg))
+            engine = ro.build_engine(
+                rollout_gpt, vocab_size=self.vocab_size, top_k=r.top_k, seed=cfg.seed,
+                rollout_precision=r.rollout_precision, eos_id=self.task.eos_id,
+                pad_id=self.task.pad_id, tp_size=p.tp)
+            self.rollout = ro.LocalRollout(engine, lambda: self.module)
         self.iteration = 0
         self.step = 0
         self.evals: dict[str, float] = {}
@@ -104,7 +127,7 @@ class Trainer:
         return self.model.module
 
     def sync_weights(self) -> None:
-        self.engine.update_weights(ro.engine_weights(self.module), version=str(self.iteration))
+        self.rollout.sync(str(self.iteration))
 
     def _run_schedule(self, microbatches: list, loss_func_of) -> tuple[list[dict], float]:
         """zero grads -> megatron forward_backward over `microbatches` -> optimizer step."""
@@ -112,21 +135,46 @@ class Trainer:
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            logits_bsv = model(mb.tokens if hasattr(mb, "tokens") else mb["tokens"],
-                               mb.position_ids if hasattr(mb, "position_ids")
-                               else mb["position_ids"], attention_mask=None)
-            return logits_bsv, loss_func_of(mb)
+            # Under PP, stages after the first take the schedule's input tensor instead.
+            output = model(mb.tokens if hasattr(mb, "tokens") else mb["tokens"],
+                           mb.position_ids if hasattr(mb, "position_ids")
+                           else mb["position_ids"], attention_mask=None)
+            return output, loss_func_of(mb)
 
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         first = microbatches[0]
         tokens = first.tokens if hasattr(first, "tokens") else first["tokens"]
+        if self.cfg.parallel.pp > 1:
+            sizes = {len(m.tokens if hasattr(m, "tokens") else m["tokens"]) for m in microbatches}
+            if len(sizes) != 1:
+                raise ValueError(f"parallel.pp > 1 needs equal micro-batch sizes, got {sizes}: "
+                                 "make samples per minibatch divisible by DP x "
+                                 "microbatches_per_minibatch")
         store = get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(microbatches), model=[self.model],
             num_microbatches=len(microbatches), seq_length=tokens.shape[1],
             micro_batch_size=tokens.shape[0], forward_only=False)
         _, grad_norm, _ = self.optimizer.step()
         return store, float(grad_norm) if grad_norm is not None else float("nan")
+
+    def _reduce(self, store: list[dict]) -> dict[str, float]:
+        """Metric means over DP, computed on the last pipeline stage and sent to every stage."""
+        means = megatron_hook.reduce_metrics(store, self.dp_group) if self.is_last_stage else {}
+        if self.cfg.parallel.pp == 1:
+            return means
+        from megatron.core import parallel_state as ps
+
+        box = [means]
+        dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
+                                   group=ps.get_pipeline_model_parallel_group())
+        return box[0]
+
+    def _generate(self, problems: list, temperature: float, n: int):
+        params = {"temperature": temperature, "max_new_tokens": self.task.max_new_tokens}
+        if self.cfg.rollout.engine == "sglang":
+            params["stop_token_ids"] = [self.task.eos_id]
+        return self.rollout.generate([self.task.prompt_ids(q) for q in problems], params, n)
 
     def _split(self, n: int, generator: torch.Generator, parts: int) -> list[torch.Tensor]:
         perm = torch.randperm(n, generator=generator)
@@ -141,12 +189,12 @@ class Trainer:
 
     def evaluate(self, name: str) -> float:
         """Greedy exact-match accuracy of the engine copy on held-out prompts."""
-        ops = self.task.operands_for(self.cfg.seed, -1, self.cfg.train.eval_prompts)
-        batch = self.engine.generate([self.task.prompt(a, b) for a, b in ops],
-                                     {"temperature": 0.0,
-                                      "max_new_tokens": self.task.answer_len}, n=1)
-        acc = sum(self.task.reward(a, b, s.response_ids.tolist())
-                  for (a, b), s in zip(ops, batch.samples)) / len(ops)
+        ops = self.task.eval_problems(self.cfg.seed, self.cfg.train.eval_prompts)
+        if not ops:
+            return float("nan")
+        batch = self._generate(ops, 0.0, 1)
+        acc = sum(self.task.score(q, s.response_ids.tolist())
+                  for q, s in zip(ops, batch.samples)) / len(ops)
         self.evals[name] = acc
         log_rank0("eval %s: greedy exact-match accuracy %.3f", name, acc)
         return acc
@@ -156,9 +204,12 @@ class Trainer:
         w = self.cfg.warmup
         if w.steps <= 0:
             return
+        if not getattr(self.task, "supports_sft", False):
+            raise ValueError(f"warmup.steps={w.steps}: task {self.cfg.task.name} has no "
+                             "supervised warm-up; set warmup.steps=0")
         mopt.set_lr(self.optimizer, w.lr)
         tp = self.cfg.parallel.tp
-        vocab = self.tok.vocab_size
+        vocab = self.vocab_size
         t0 = time.time()
         loss = float("nan")
         for i in range(w.steps):
@@ -167,7 +218,7 @@ class Trainer:
             length = full["tokens"].shape[1]
             padded = -(-length // tp) * tp
             for key in full:
-                pad_value = False if key == "loss_mask" else self.tok.pad_id
+                pad_value = False if key == "loss_mask" else self.task.pad_id
                 extra = torch.full((w.batch_size, padded - length), pad_value,
                                    dtype=full[key].dtype)
                 full[key] = torch.cat([full[key], extra], dim=1)
@@ -176,7 +227,7 @@ class Trainer:
             mbs = [{k: v[m] for k, v in full.items()} for m in self._dp_microbatches(idx)]
             store, _ = self._run_schedule(
                 mbs, lambda mb: (lambda out: sft_loss_func(out, mb, vocab)))
-            loss = megatron_hook.reduce_metrics(store, self.dp_group)["sft/loss"]
+            loss = self._reduce(store)["sft/loss"]
         log_rank0("warm-up: %d supervised steps, final CE %.4f, %.1f s", w.steps, loss,
                   time.time() - t0)
         mopt.set_lr(self.optimizer, self.cfg.train.lr)
@@ -184,15 +235,13 @@ class Trainer:
     def rl_iteration(self, writer: MetricsWriter) -> dict:
         cfg, r = self.cfg, self.cfg.rollout
         t0 = time.time()
-        ops = self.task.operands_for(cfg.seed, self.iteration, r.prompts_per_iteration)
-        batch = self.engine.generate([self.task.prompt(a, b) for a, b in ops],
-                                     {"temperature": r.temperature,
-                                      "max_new_tokens": self.task.answer_len}, n=r.group_size)
-        rewards = [self.task.reward(*ops[s.group_index], s.response_ids.tolist())
+        ops = self.task.problems(cfg.seed, self.iteration, r.prompts_per_iteration)
+        batch = self._generate(ops, r.temperature, r.group_size)
+        rewards = [self.task.score(ops[s.group_index], s.response_ids.tolist())
                    for s in batch.samples]
         batch.set_rewards(rewards)
         adv_b = group_advantages(batch)
-        packed = pack_padded(batch, adv_b, pad_id=self.tok.pad_id,
+        packed = pack_padded(batch, adv_b, pad_id=self.task.pad_id,
                              pad_to_multiple_of=cfg.parallel.tp)
         t_rollout = time.time() - t0
         reward_mean = sum(rewards) / len(rewards)
@@ -204,34 +253,38 @@ class Trainer:
             mbs = [slice_packed(packed, m) for m in self._dp_microbatches(idx)]
             store, grad_norm = self._run_schedule(
                 mbs, lambda mb: megatron_hook.make_loss_func(
-                    mb, self.loss_cfg, vocab_size=self.tok.vocab_size,
+                    mb, self.loss_cfg, vocab_size=self.vocab_size,
                     temperature=packed.temperature))
-            means = megatron_hook.reduce_metrics(store, self.dp_group)
+            means = self._reduce(store)
             self.step += 1
             row = {"step": self.step, "iteration": self.iteration, "minibatch": j,
                    "reward/mean": reward_mean,
                    "reward/frac_solved_groups": _frac_solved(rewards, r.group_size),
                    "rollout/response_len": float(packed.loss_mask.sum()) / len(batch.samples),
                    "lr": self.cfg.train.lr, "grad_norm": grad_norm, **means,
+                   "rollout/weight_version": float(batch.weight_version)
+                   if str(batch.weight_version).isdigit() else float("nan"),
                    "time/rollout_s": t_rollout if j == 0 else 0.0,
                    "time/train_step_s": time.time() - t1}
             writer.write(row)
             last = row
         self.iteration += 1
+        t2 = time.time()
         self.sync_weights()
+        last["time/weight_sync_s"] = time.time() - t2
         return last
 
     # ------------------------------------------------------------------ state
 
     def train_state(self) -> dict:
         return {"iteration": self.iteration, "step": self.step, "evals": dict(self.evals),
-                "engine": ro.engine_state(self.engine), "torch_rng": torch.get_rng_state()}
+                "engine": self.rollout.state_dict(), "torch_rng": torch.get_rng_state()}
 
     def load_train_state(self, state: dict) -> None:
         self.iteration = int(state["iteration"])
         self.step = int(state["step"])
         self.evals = dict(state["evals"])
-        ro.load_engine_state(self.engine, state["engine"])
+        self.rollout.load_state_dict(state["engine"])
         torch.set_rng_state(state["torch_rng"])
 
     def save(self) -> None:
@@ -250,6 +303,12 @@ class Trainer:
             self.sync_weights()
             log_rank0("resumed from %s at iteration %d (step %d)", path, self.iteration,
                       self.step)
+        elif cfg.rollout.engine == "sglang" and cfg.warmup.steps <= 0:
+            if cfg.rollout.sync_at_start:
+                self.sync_weights()  # servers start from exactly the trainer's weights
+            self.evaluate("before_rl")
+            if cfg.checkpoint.save_interval > 0:
+                self.save()
         else:
             self.sync_weights()
             self.evaluate("before_warmup")

@@ -20,6 +20,7 @@ import dataclasses
 import re
 import threading
 import time
+import zlib
 from collections.abc import Callable
 
 import numpy as np
@@ -86,6 +87,9 @@ class FakeSGLangServer:
         self.calls: list[tuple[str, dict]] = []
         self.num_generate = 0
         self.paused = False
+        self.deterministic_seeds = False
+        """Seed every item by (prompt, sample index) instead of arrival order (reproducible
+        rollouts under the client's concurrent requests)."""
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -231,16 +235,19 @@ class FakeSGLangServer:
                 obj = self._score(prompt, params, body, k)
             else:
                 obj = self._one(prompt, params, k, key in fault.abort_items,
-                                key in fault.ragged_items, key in fault.corrupt_items)
+                                key in fault.ragged_items, key in fault.corrupt_items,
+                                seed_key=key)
             obj["meta_info"]["id"] = rids[i]
             obj["meta_info"]["e2e_latency"] = time.perf_counter() - start
             out.append(obj)
         return out[0] if single else out
 
     def _one(self, prompt: list[int], params: dict, k: int, abort: bool, ragged: bool,
-             corrupt: bool) -> dict:
+             corrupt: bool, seed_key: int = 0) -> dict:
         gen_params = {key: v for key, v in params.items() if key != "n"}
         with self._lock:
+            if self.deterministic_seeds:
+                self.engine._calls = zlib.crc32(repr((list(prompt), seed_key)).encode())
             saved_k = self.engine.top_k
             self.engine.top_k = max(k, 0)
             try:
@@ -318,3 +325,91 @@ class FakeSGLangServer:
                     _triples(v, i) for v, i in zip(vals_rk.tolist(), idx_rk.tolist())]
         meta["output_top_logprobs"] = []
         return {"text": "", "output_ids": [], "meta_info": meta}
+
+
+# ---------------------------------------------------------------------------------------------
+# HF-backed mode: a transformers causal LM (e.g. Qwen3MoeForCausalLM) loaded from an HF directory
+# and reloaded from the directory named by /update_weights_from_disk, like a real SGLang server.
+# ---------------------------------------------------------------------------------------------
+
+
+def load_hf_causal_lm(model_path: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """transformers AutoModelForCausalLM from local files, eval mode, fp32 by default."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True,
+                                                 dtype=dtype)
+    return model.eval()
+
+
+class HFModelEngine(LocalEngine):
+    """`LocalEngine` over an HF model directory; `load_weights_from_disk` reloads the model.
+
+    Right-padded batches are fine without an attention mask (causal model: padding after a
+    sequence's last token cannot change its logits).
+    """
+
+    def __init__(self, model_path: str, *, top_k: int = 0, seed: int = 0,
+                 eos_token_id: int | None = None, dtype: torch.dtype = torch.float32,
+                 weight_version: str = "0"):
+        self.dtype = dtype
+        self.model_path = model_path
+        model = load_hf_causal_lm(model_path, dtype)
+        super().__init__(model, vocab_size=model.config.vocab_size, top_k=top_k, seed=seed,
+                         eos_token_id=eos_token_id, max_batch_size=256,
+                         weight_version=weight_version)
+        self.loaded_paths = [model_path]
+
+    def load_weights_from_disk(self, model_path: str, version: str | None = None,
+                               name_map=None) -> str:
+        new = load_hf_causal_lm(model_path, self.dtype)
+        if new.config.vocab_size != self.vocab_size:
+            raise ValueError(f"{model_path}: vocab_size {new.config.vocab_size} != "
+                             f"{self.vocab_size}")
+        self.model = new
+        self.model_path = model_path
+        self.loaded_paths.append(model_path)
+        self._num_updates += 1
+        self._version = str(version) if version is not None else str(self._num_updates)
+        return self._version
+
+
+def main(argv=None) -> None:
+    """`python tests/bridge/fake_sglang.py --hf-dir DIR --port-file F`: serve until killed."""
+    import argparse
+    import os
+    import sys
+
+    parser = argparse.ArgumentParser(description="fake SGLang server over an HF model dir")
+    parser.add_argument("--hf-dir", required=True)
+    parser.add_argument("--port-file", required=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log-file", default=None, help="append one JSON line per control call")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    engine = HFModelEngine(args.hf_dir, seed=args.seed)
+    server = FakeSGLangServer(engine, model_path=args.hf_dir)
+    server.deterministic_seeds = True
+    server.start()
+    tmp = args.port_file + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(str(server.port))
+    os.replace(tmp, args.port_file)
+    print(f"fake SGLang server on {server.url}", flush=True)
+    seen = 0
+    try:
+        while True:
+            time.sleep(0.2)
+            if args.log_file and len(server.calls) > seen:
+                with open(args.log_file, "a") as f:
+                    for name, body in server.calls[seen:]:
+                        if name != "generate":
+                            f.write(orjson.dumps({"call": name, "body": body}).decode() + "\n")
+                seen = len(server.calls)
+    except KeyboardInterrupt:
+        server.stop()
+        sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -20,7 +20,7 @@ FIELDS = ("pi_k", "mu_k", "pi_tail", "mu_tail", "q_tail", "p2", "pi_max_tail", "
           "topk_tv", "binary_kl", "binary_tv", "log1m_pi_k")
 
 
-def _check_case(rank, world, case, atol):
+def _check_case(rank, world, case, atol, inplace=False):
     import torch.distributed as dist
 
     group = dist.group.WORLD
@@ -28,7 +28,7 @@ def _check_case(rank, world, case, atol):
     vl = vp // world
     local = case["logits"][:, rank * vl:(rank + 1) * vl].clone().requires_grad_()
     stats = pdm.token_stats(local, *op_args(case), tp_group=group,
-                            vocab_size=case["vocab_size"], temperature=0.8)
+                            vocab_size=case["vocab_size"], temperature=0.8, inplace=inplace)
     ref = reference_token_stats(case["logits"], *op_args(case), vocab_size=case["vocab_size"],
                                 temperature=0.8)
     assert torch.allclose(stats.logprob.double(), ref["logprob"], atol=atol)
@@ -56,8 +56,11 @@ def _worker(rank, world):
         (make_case(13, 16, 1001, 8, padded_vocab=1008, hot_range=(0, 40)), 1e-6),
         (make_case(14, 0, 1001, 4, padded_vocab=1008), 1e-6),
     ]
-    for case, atol in cases:
+    for i, (case, atol) in enumerate(cases):
         _check_case(rank, world, case, atol)
+        # the in-place mode (exp kept in the logits' storage) on every other case
+        if i % 2 == 0:
+            _check_case(rank, world, case, atol, inplace=True)
 
 
 @pytest.mark.slow

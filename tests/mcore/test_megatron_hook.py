@@ -63,7 +63,8 @@ def test_loss_func_matches_manual_rows(preset, layout):
     logits_bsv = torch.randn(b, s, V_PADDED, generator=gen)
     logits_bsv[..., V:] = 50.0  # Megatron padding columns: must not enter the softmax
     cfg = pdm.PolicyLossConfig.preset(preset)
-    out_logits = logits_bsv if layout == "bsv" else logits_bsv.transpose(0, 1).contiguous()
+    # A copy: the adapter consumes fp32 logits in place, as megatron's CE does.
+    out_logits = logits_bsv.clone() if layout == "bsv" else logits_bsv.transpose(0, 1).contiguous()
     loss, ntok, metrics = policy_loss_func(out_logits, batch=packed, cfg=cfg, vocab_size=V,
                                            temperature=0.7, layout=layout, tp_group=None)
     # By hand: response token t of sample i is scored by logits row P + t - 1.

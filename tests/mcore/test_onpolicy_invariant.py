@@ -42,19 +42,20 @@ def _worker(rank, world, tp, ep):
         tr.warmup()
         tr.sync_weights()
         ops = tr.task.operands_for(5, 0, 6)
-        rb = tr.engine.generate([tr.task.prompt(a, b) for a, b in ops],
+        rb = tr.rollout.engine.generate([tr.task.prompt(a, b) for a, b in ops],
                                 {"max_new_tokens": tr.task.answer_len}, n=4)
         adv_b = torch.tensor([1.0 if i % 2 else -1.0 for i in range(len(rb.samples))])
-        packed = pack_padded(rb, adv_b, pad_id=tr.tok.pad_id, pad_to_multiple_of=tp)
+        packed = pack_padded(rb, adv_b, pad_id=tr.task.pad_id, pad_to_multiple_of=tp)
         with torch.no_grad():
             logits = tr.model(packed.tokens, packed.position_ids, attention_mask=None)
-            full = gather_from_tensor_model_parallel_region(logits)[..., :tr.tok.vocab_size]
+            full = gather_from_tensor_model_parallel_region(logits)[..., :tr.vocab_size]
         # the distribution is far from uniform, so ~0 divergences are not trivial
         assert torch.softmax(full[packed.loss_mask], -1).max(-1).values.mean() > 0.3
         for preset in PRESETS:
+            # a fresh copy per preset: the loss func consumes fp32 logits in place (like CE)
             _, ntok, metrics = policy_loss_func(
-                logits, batch=packed, cfg=pdm.PolicyLossConfig.preset(preset),
-                vocab_size=tr.tok.vocab_size, temperature=rb.temperature)
+                logits.clone(), batch=packed, cfg=pdm.PolicyLossConfig.preset(preset),
+                vocab_size=tr.vocab_size, temperature=rb.temperature)
             assert int(ntok) == int(packed.loss_mask.sum()) > 0
             masked = metrics[M.MASKED_FRAC]
             assert masked[1] > 0 and masked[0] == 0, (preset, masked)

@@ -213,11 +213,32 @@ def test_sampled_missing_from_support_and_shapes_and_vocab():
         pdm.token_stats(logits, k3, ids, lp, valid)
 
 
-def test_inplace_grad_matches_and_reuses_storage():
-    case = make_case(6, 12, 150, 4, padded_vocab=152)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_inplace_matches_default_and_reuses_storage(dtype, temperature):
+    """inplace=True keeps exp(z/T - m) in the logits for backward (one exp pass): every statistic
+    and the gradient equal the default path's, and backward writes into the logits' storage."""
+    case = make_case(6, 12, 150, 4, padded_vocab=152, dtype=dtype)
     ref = case["logits"].clone().requires_grad_()
-    pdm.token_stats(ref, *op_args(case), vocab_size=150).logprob.sum().backward()
+    ref_stats = pdm.token_stats(ref, *op_args(case), vocab_size=150, temperature=temperature)
+    g = torch.linspace(-1.0, 2.0, 12, dtype=ref_stats.logprob.dtype)
+    (ref_stats.logprob * g).sum().backward()
     x = case["logits"].clone().requires_grad_()
-    pdm.token_stats(x, *op_args(case), vocab_size=150, inplace_grad=True).logprob.sum().backward()
+    stats = pdm.token_stats(x, *op_args(case), vocab_size=150, temperature=temperature,
+                            inplace=True)
+    assert not torch.equal(x.detach(), case["logits"])  # the forward worked in the storage
+    (stats.logprob * g).sum().backward()
+    atol = 1e-12 if dtype == torch.float64 else 2e-6
+    for name in ("logprob",) + FIELDS:
+        assert torch.allclose(getattr(stats, name), getattr(ref_stats, name), atol=atol), name
+    assert torch.allclose(x.grad, ref.grad, atol=atol)
+    assert torch.equal(x.grad[:, 150:], torch.zeros_like(x.grad[:, 150:]))  # padding columns
     # The gradient was written into the logits' storage (a leaf's AccumulateGrad then copies it).
-    assert torch.equal(x.grad, ref.grad) and torch.equal(x.detach(), ref.grad)
+    assert torch.equal(x.detach(), x.grad)
+
+
+def test_inplace_is_ignored_for_bf16():
+    case = make_case(7, 8, 100, 3, dtype=torch.bfloat16)
+    x = case["logits"].clone()
+    pdm.token_stats(x, *op_args(case), vocab_size=100, inplace=True)
+    assert torch.equal(x, case["logits"])

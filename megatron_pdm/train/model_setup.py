@@ -1,0 +1,157 @@
+"""Run config -> architecture, megatron TransformerConfig settings, initial weights.
+
+- `resolve_arch`: the `Qwen3MoeArch` of the run. Without `checkpoint.load_dir` it is the `model`
+  section (vocabulary: `model.vocab_size` or the task tokenizer's). With `load_dir` it is the
+  checkpoint's `pdm_model.json` arch: `model.from_checkpoint: true` takes it as is, otherwise
+  every field of the `model` section must agree with it (`ArchMismatchError` names each field).
+  The task's vocabulary must fit into the model's (ids beyond it are never produced).
+- `megatron_kwargs`: `precision.*` and `train.recompute` -> TransformerConfig fields:
+  params_dtype fp32|bf16 (bf16: `bf16=True`, fp32 main grads and Adam in the optimizer),
+  fp8 e4m3|hybrid + fp8_recipe delayed|tensorwise|blockwise|mxfp8 (Transformer Engine only),
+  recompute full (uniform, 1 layer per chunk) | selective (megatron's default: core attention).
+- `check_runtime`: FP8 needs transformer-engine and CUDA; refused with a clear error otherwise.
+- `load_initial_weights`: reads the converted dist checkpoint into this rank's GPTModel at any
+  TP/EP/PP (vocab padding must agree; the TE/local pre-MLP-norm key is renamed as needed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+import torch
+
+from megatron_pdm.train.config import RunConfig
+
+logger = logging.getLogger(__name__)
+
+ARCH_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
+               "num_query_groups", "head_dim", "num_experts", "moe_router_topk",
+               "moe_ffn_hidden_size", "rotary_base", "norm_epsilon", "max_position_embeddings",
+               "make_vocab_size_divisible_by")
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class ArchMismatchError(ValueError):
+    """The config's model section disagrees with the checkpoint's architecture."""
+
+
+def read_checkpoint_meta(load_dir: str) -> dict:
+    from megatron_pdm.convert.checkpoint import read_meta
+
+    return read_meta(load_dir)
+
+
+def resolve_arch(cfg: RunConfig, task_vocab: int, *, meta: dict | None = None):
+    """The run's Qwen3MoeArch (see module docstring). `meta`: pdm_model.json, if loading."""
+    from megatron_pdm.megatron.model import Qwen3MoeArch
+
+    m = cfg.model
+    if meta is not None:
+        ckpt = Qwen3MoeArch.from_dict(meta["arch"])
+        if not m.from_checkpoint:
+            diffs = []
+            for name in ARCH_FIELDS:
+                mine = getattr(m, name)
+                if name == "vocab_size" and mine is None:
+                    continue
+                theirs = getattr(ckpt, name)
+                if (float(mine) != float(theirs)) if isinstance(theirs, float) else \
+                        mine != theirs:
+                    diffs.append(f"model.{name}={mine!r}, checkpoint has {theirs!r}")
+            if diffs:
+                raise ArchMismatchError(
+                    f"model section disagrees with {cfg.checkpoint.load_dir}/pdm_model.json:\n  "
+                    + "\n  ".join(diffs)
+                    + "\n(fix the model section or set model.from_checkpoint=true)")
+        arch = ckpt
+    else:
+        vocab = m.vocab_size if m.vocab_size is not None else task_vocab
+        arch = Qwen3MoeArch(**{name: (vocab if name == "vocab_size" else getattr(m, name))
+                               for name in ARCH_FIELDS})
+    if task_vocab > arch.vocab_size:
+        raise ValueError(f"task vocabulary ({task_vocab}) is larger than the model's "
+                         f"({arch.vocab_size})")
+    return arch
+
+
+def megatron_kwargs(cfg: RunConfig) -> dict:
+    """TransformerConfig keyword arguments of `precision` and `train.recompute`."""
+    p = cfg.precision
+    kwargs: dict = {"params_dtype": _DTYPES[p.params_dtype], "bf16": p.params_dtype == "bf16"}
+    if p.fp8 is not None:
+        kwargs.update(fp8=p.fp8, fp8_recipe=p.fp8_recipe)
+    if cfg.train.recompute == "full":
+        kwargs.update(recompute_granularity="full", recompute_method="uniform",
+                      recompute_num_layers=1)
+    elif cfg.train.recompute == "selective":
+        kwargs.update(recompute_granularity="selective")
+    return kwargs
+
+
+def use_te(cfg: RunConfig) -> bool:
+    """The Transformer Engine layer spec is used for FP8 (and only then: CPU has no TE)."""
+    return cfg.precision.fp8 is not None
+
+
+def key_style(cfg: RunConfig) -> str:
+    return "te" if use_te(cfg) else "local"
+
+
+def have_transformer_engine() -> bool:
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means "not usable"
+        return False
+    return True
+
+
+def check_runtime(cfg: RunConfig, *, cuda: bool | None = None, te: bool | None = None) -> None:
+    """Refuses settings the machine cannot run (FP8 without CUDA or transformer-engine; bf16
+    params without CUDA: megatron-core 0.16.1's unfused softmax builds its causal mask with
+    device="cuda" for 16-bit inputs, measured on CPU)."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    if cfg.precision.params_dtype == "bf16" and not cuda:
+        raise RuntimeError(
+            "precision.params_dtype=bf16 needs a CUDA GPU: megatron-core's softmax for 16-bit "
+            "activations (fused_softmax.forward_torch_softmax -> get_default_causal_mask) "
+            "allocates on 'cuda'. Use precision.params_dtype=fp32 on CPU.")
+    if cfg.train.recompute != "none" and not cuda:
+        raise RuntimeError(
+            f"train.recompute={cfg.train.recompute} needs a CUDA GPU: under megatron's "
+            "activation checkpointing the softmax's causal mask is allocated on 'cuda' "
+            "(measured on CPU for recompute=full). Use train.recompute=none on CPU.")
+    if cfg.precision.fp8 is None:
+        return
+    te = have_transformer_engine() if te is None else te
+    missing = [what for what, ok in (("a CUDA GPU", cuda), ("transformer-engine", te)) if not ok]
+    if missing:
+        raise RuntimeError(
+            f"precision.fp8={cfg.precision.fp8} (recipe {cfg.precision.fp8_recipe}) needs "
+            f"{' and '.join(missing)}: FP8 runs only through Transformer Engine layers on "
+            "Hopper/Blackwell GPUs. Use precision.fp8=null on this machine.")
+
+
+def load_initial_weights(module: torch.nn.Module, load_dir: str, meta: dict, *, tp: int,
+                         style: str) -> None:
+    """Collective: loads the converted dist checkpoint into this rank's GPTModel."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_pdm.convert.checkpoint import check_vocab_padding, rename_for_key_style
+    from megatron_pdm.megatron.model import Qwen3MoeArch
+
+    arch = Qwen3MoeArch.from_dict(meta["arch"])
+    check_vocab_padding(arch, meta["layout_at_import"]["tp"], tp)
+    sharded = rename_for_key_style(module.sharded_state_dict(), style, meta["key_style"])
+    state = dist_checkpointing.load(sharded, load_dir)
+    missing, unexpected = module.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise ValueError(f"{load_dir}: checkpoint/model mismatch: missing={missing} "
+                         f"unexpected={unexpected}")
+    logger.info("loaded initial weights from %s", os.path.abspath(load_dir))
+
+
+def arch_to_dict(arch) -> dict:
+    return dataclasses.asdict(arch)

@@ -1,0 +1,159 @@
+"""Driver settings without a process group: the cluster scripts' overrides, precision/recompute
+mapping, refusals, checkpoint-arch checks and the jsonl task (fast, single process)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from megatron_pdm.train import model_setup as ms
+from megatron_pdm.train.config import RunConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "qwen3_30b_a3b"
+TINY = ROOT / "examples" / "tiny_cpu" / "config.yaml"
+
+
+def script_overrides(name: str, env: dict | None = None) -> list[str]:
+    """Every `--set KEY=VALUE` a cluster script passes, with its ${VAR:-default} expanded."""
+    text = (EXAMPLE / name).read_text()
+    defaults = dict(re.findall(r'^(\w+)="\$\{\w+:-([^}]*)\}"$', text, re.M))
+    defaults.update(env or {})
+    out = []
+    for line in text.splitlines():
+        if line.lstrip().startswith("#") or "--set" not in line:
+            continue
+        tokens = shlex.split(line.rstrip().rstrip("\\"), comments=True)
+        for i, tok in enumerate(tokens[:-1]):
+            if tok == "--set":
+                out.append(re.sub(r"\$\{(\w+)\}", lambda m: defaults[m.group(1)], tokens[i + 1]))
+    return out
+
+
+@pytest.mark.parametrize("script", ["train_pdm.sh", "train_pdm_fp8.sh"])
+@pytest.mark.parametrize("env,world", [({}, 16), ({"PP": "2"}, 32), ({"TP": "2", "EP": "4"}, 8)])
+def test_cluster_scripts_dry_run(script, env, world, monkeypatch, capsys):
+    from megatron_pdm.train.dry_run import dry_run
+
+    overrides = script_overrides(script, env)
+    keys = {o.split("=", 1)[0] for o in overrides}
+    for key in ("parallel.pp", "precision.params_dtype", "checkpoint.load_dir", "rollout.engine",
+                "rollout.sglang_url", "rollout.hf_checkpoint", "rollout.max_sequence_length",
+                "train.recompute", "task.path", "task.tokenizer_dir"):
+        assert key in keys, key
+    cfg = RunConfig.load(str(EXAMPLE / "pdm.yaml"), overrides)
+    assert cfg.rollout.engine == "sglang" and cfg.task.name == "jsonl"
+    assert cfg.parallel.pp == int(env.get("PP", 1))
+    if script == "train_pdm_fp8.sh":
+        assert (cfg.precision.fp8, cfg.precision.fp8_recipe) == ("e4m3", "blockwise")
+        assert cfg.rollout.rollout_precision == "fp8"
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("RANK", "0")
+    assert dry_run(cfg) == 0
+    out = capsys.readouterr().out
+    assert "rollout engine sglang" in out and "recompute full" in out
+
+
+def test_precision_and_recompute_mapping():
+    import torch
+
+    from megatron_pdm.megatron.model import transformer_config
+
+    cfg = RunConfig.load(str(TINY), ["precision.params_dtype=bf16", "precision.fp8=e4m3",
+                                     "precision.fp8_recipe=blockwise", "train.recompute=full"])
+    kw = ms.megatron_kwargs(cfg)
+    assert kw == {"params_dtype": torch.bfloat16, "bf16": True, "fp8": "e4m3",
+                  "fp8_recipe": "blockwise", "recompute_granularity": "full",
+                  "recompute_method": "uniform", "recompute_num_layers": 1}
+    assert ms.use_te(cfg) and ms.key_style(cfg) == "te"
+    arch = ms.resolve_arch(cfg, 18)
+    for recompute in ("none", "full", "selective"):
+        c = RunConfig.load(str(TINY), [f"train.recompute={recompute}"])
+        tc = transformer_config(arch, tp=2, **ms.megatron_kwargs(c))
+        assert tc.recompute_granularity == (None if recompute == "none" else recompute)
+        assert tc.params_dtype == torch.float32 and not tc.bf16
+    tc = transformer_config(arch, tp=2, **{k: v for k, v in kw.items() if "fp8" not in k})
+    assert tc.bf16 and tc.params_dtype == torch.bfloat16 and tc.recompute_method == "uniform"
+
+
+def test_runtime_refusals_on_cpu():
+    fp8 = RunConfig.load(str(TINY), ["precision.fp8=hybrid", "precision.fp8_recipe=delayed"])
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU and transformer-engine"):
+        ms.check_runtime(fp8, cuda=False, te=False)
+    ms.check_runtime(fp8, cuda=True, te=True)
+    bf16 = RunConfig.load(str(TINY), ["precision.params_dtype=bf16"])
+    with pytest.raises(RuntimeError, match="params_dtype=bf16 needs a CUDA GPU"):
+        ms.check_runtime(bf16, cuda=False)
+    full = RunConfig.load(str(TINY), ["train.recompute=full"])
+    with pytest.raises(RuntimeError, match="train.recompute=full needs a CUDA GPU"):
+        ms.check_runtime(full, cuda=False)
+    ms.check_runtime(full, cuda=True)
+    with pytest.raises(ValueError, match="fp8_recipe='e5m2'"):
+        RunConfig.load(str(TINY), ["precision.fp8_recipe=e5m2"])
+    with pytest.raises(ValueError, match="rollout.engine=sglang needs rollout.sglang_url"):
+        RunConfig.load(str(TINY), ["rollout.engine=sglang", "rollout.hf_checkpoint=/x"])
+
+
+def test_checkpoint_arch_must_agree():
+    cfg = RunConfig.load(str(TINY), ["checkpoint.load_dir=/ckpt"])
+    arch = ms.resolve_arch(cfg, 18).to_dict()
+    meta = {"arch": dict(arch, hidden_size=128, num_experts=8)}
+    with pytest.raises(ms.ArchMismatchError) as err:
+        ms.resolve_arch(cfg, 18, meta=meta)
+    assert "model.hidden_size=64, checkpoint has 128" in str(err.value)
+    assert "model.num_experts=4, checkpoint has 8" in str(err.value)
+    taken = RunConfig.load(str(TINY), ["checkpoint.load_dir=/ckpt", "model.from_checkpoint=true"])
+    assert ms.resolve_arch(taken, 18, meta=meta).hidden_size == 128
+    assert ms.resolve_arch(cfg, 18, meta={"arch": arch}).vocab_size == 18
+    with pytest.raises(ValueError, match="task vocabulary"):
+        ms.resolve_arch(taken, 2000, meta=meta)
+
+
+def _tiny_tokenizer(path: Path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = [f"What is {a} plus {b}? The answer is \\boxed{{{a + b}}}." for a in range(20)
+              for b in range(5)]
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>",
+                                   pad_token="<|endoftext|>")
+    fast.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                          "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}"
+                          "<|im_start|>assistant\n{% endif %}")
+    fast.save_pretrained(str(path))
+    return fast
+
+
+def test_jsonl_task(tmp_path):
+    from megatron_pdm.train.jsonl_task import JsonlTask, answers_match, extract_answer
+
+    _tiny_tokenizer(tmp_path / "tok")
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"What is {a} plus 3?", "answer": a + 3}) + "\n"
+                            for a in range(10)))
+    task = JsonlTask(str(data), str(tmp_path / "tok"), eval_fraction=0.2,
+                     max_sequence_length=64)
+    tok = task.tokenizer
+    assert task.eos_id == tok.convert_tokens_to_ids("<|im_end|>") and task.vocab_size == len(tok)
+    assert len(task.train_records) == 8 and task.eval_problems(0, 5) == [8, 9]
+    ids = task.prompt_ids(0)
+    text = tok.decode(ids)
+    assert text.startswith("<|im_start|>user\nWhat is 0 plus 3?") and text.endswith("assistant\n")
+    assert task.max_new_tokens == 64 - task.max_prompt_len
+    assert task.problems(1, 3, 4) == task.problems(1, 3, 4) != task.problems(1, 4, 4)
+    good = tok("So the answer is \\boxed{3}.")["input_ids"] + [task.eos_id]
+    assert task.score(0, good) == 1.0
+    assert task.score(1, good) == 0.0  # problem 1 expects 4
+    assert task.score(0, tok("I think it is 3")["input_ids"]) == 1.0
+    assert extract_answer("a 1, then \\boxed{\\frac{1}{2}} b 7") == "\\frac{1}{2}"
+    assert answers_match("total: 1,000.0", "1000") and not answers_match("no number", 5)
