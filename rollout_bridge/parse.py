@@ -22,6 +22,8 @@ logprob -inf (probability 0, only possible through a non-strict JSON encoder) is
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import itertools
 import json
 import logging
@@ -44,6 +46,25 @@ class MalformedResponseError(RolloutValidationError):
     """The body is not valid JSON or not a /generate response (retryable by the client)."""
 
 
+@contextlib.contextmanager
+def gc_paused():
+    """Pauses Python's cyclic garbage collector around a large JSON decode.
+
+    A K=20 x 8k-token body decodes into ~700k Python objects; every 700 allocations the collector
+    runs and, in a process holding torch's large heap, a full collection scans all of it. Measured
+    on a 5.5 MB body: orjson.loads 95 ms with the collector on, 44 ms paused (more inside a
+    trainer process). The decoded JSON tree holds no reference cycles, so pausing creates no
+    uncollectable garbage; the previous state is restored on exit.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def loads(body: bytes | str) -> Any:
     """Decodes JSON with orjson, falling back to the stdlib for NaN/Infinity tokens.
 
@@ -51,7 +72,8 @@ def loads(body: bytes | str) -> Any:
         MalformedResponseError: If the body is not JSON.
     """
     try:
-        return orjson.loads(body)
+        with gc_paused():
+            return orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         try:  # Python's json.dumps writes NaN / -Infinity, which orjson rejects.
             return json.loads(body)
@@ -100,23 +122,26 @@ def fold_support(top_ids: np.ndarray, top_lp: np.ndarray, top_valid: np.ndarray,
         number of positions whose sampled token was inside the top-K).
     """
     t, k = top_ids.shape
-    ids_ts = np.zeros((t, k + 1), dtype=np.int32)
-    lp_ts = np.full((t, k + 1), -np.inf, dtype=np.float32)
-    valid_ts = np.zeros((t, k + 1), dtype=bool)
-    if top_valid.all():
+    ids_ts = np.empty((t, k + 1), dtype=np.int32)
+    lp_ts = np.empty((t, k + 1), dtype=np.float32)
+    valid_ts = np.empty((t, k + 1), dtype=bool)
+    all_valid = bool(top_valid.all())
+    if all_valid:
         ids_ts[:, :k] = top_ids
         lp_ts[:, :k] = top_lp
         valid_ts[:, :k] = True
     else:
-        ids_ts[:, :k] = np.where(top_valid, top_ids, 0)
-        lp_ts[:, :k] = np.where(top_valid, top_lp, -np.inf)
+        np.copyto(ids_ts[:, :k], np.where(top_valid, top_ids, 0), casting="unsafe")
+        np.copyto(lp_ts[:, :k], np.where(top_valid, top_lp, -np.inf), casting="unsafe")
         valid_ts[:, :k] = top_valid
-    match_tk = top_valid & (top_ids == sampled_ids[:, None])
+    match_tk = top_ids == sampled_ids[:, None]
+    if not all_valid:
+        match_tk &= top_valid
     rows, cols = np.nonzero(match_tk)
     lp_ts[rows, cols] = sampled_lp[rows]
     outside_t = ~match_tk.any(axis=1)
-    ids_ts[outside_t, k] = sampled_ids[outside_t]
-    lp_ts[outside_t, k] = sampled_lp[outside_t]
+    ids_ts[:, k] = np.where(outside_t, sampled_ids, 0)
+    lp_ts[:, k] = np.where(outside_t, sampled_lp, -np.inf)
     valid_ts[:, k] = outside_t
     return ids_ts, lp_ts, valid_ts, int(t - outside_t.sum())
 
@@ -346,11 +371,17 @@ def parse_generate_response(body: bytes | str | dict | list, top_k: int = 20,
         RolloutValidationError: Naming the sample index and token position
             (`MalformedResponseError` for bodies that are not /generate JSON).
     """
-    obj = loads(body) if isinstance(body, (bytes, bytearray, memoryview, str)) else body
-    if isinstance(obj, dict) and "meta_info" not in obj and "error" in obj:
-        raise MalformedResponseError(f"server error response: {str(obj['error'])[:300]}")
-    objs = obj if isinstance(obj, list) else [obj]
-    return [parse_response_object(o, top_k, vocab_size, i, validate) for i, o in enumerate(objs)]
+    # The whole decode + flatten runs with the collector paused, and the decoded tree is released
+    # before it resumes, so no collection ever scans it (see `gc_paused`).
+    with gc_paused():
+        obj = loads(body) if isinstance(body, (bytes, bytearray, memoryview, str)) else body
+        if isinstance(obj, dict) and "meta_info" not in obj and "error" in obj:
+            raise MalformedResponseError(f"server error response: {str(obj['error'])[:300]}")
+        objs = obj if isinstance(obj, list) else [obj]
+        samples = [parse_response_object(o, top_k, vocab_size, i, validate)
+                   for i, o in enumerate(objs)]
+        del obj, objs
+    return samples
 
 
 # --------------------------------------------------------------------------- binary path
@@ -430,6 +461,13 @@ def parse_scoring_response(body: bytes | str | dict | list, samples: list[Rollou
     Returns:
         The same sample objects, with support_* replaced (shape [T, K+1]).
     """
+    # decode and fold with the collector paused; the tree is released before it resumes
+    with gc_paused():
+        _attach_scoring(body, samples, top_k, vocab_size, logprob_start_lens, validate)
+    return samples
+
+
+def _attach_scoring(body, samples, top_k, vocab_size, logprob_start_lens, validate) -> None:
     obj = loads(body) if isinstance(body, (bytes, bytearray, memoryview, str)) else body
     objs = obj if isinstance(obj, list) else [obj]
     if len(objs) != len(samples):
@@ -465,4 +503,3 @@ def parse_scoring_response(body: bytes | str | dict | list, samples: list[Rollou
         sample.meta_info["sampled_in_topk"] = n_in
         sample.meta_info["topk_transport"] = "flat_b64"
         sample.meta_info["num_neg_inf_slots"] = int((~valid_tk).sum())
-    return samples

@@ -460,8 +460,10 @@ class SGLangEngine:
         results: list = []
         for idx, obj in enumerate(objs):
             try:
+                # flat_b64: the final support (sampled token included) is validated once, when
+                # the scoring response is folded in; structural checks still run here.
                 sample = parse_response_object(obj, 0 if b64 else self.top_k, self.vocab_size,
-                                               idx)
+                                               idx, validate=not b64)
             except MalformedResponseError as exc:
                 results.append(_AttemptError("malformed", str(exc)))
                 continue
