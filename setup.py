@@ -40,7 +40,9 @@ setup(
     version="0.1.0",
     description="Predictive Divergence Masks (PDM), DPPO, DRPO and GRPO trust regions as one "
     "vocab-parallel op for Megatron-core RL, with an SGLang top-K rollout bridge.",
-    packages=find_packages(include=["megatron_pdm", "megatron_pdm.*", "rollout_bridge", "rollout_bridge.*"]),
+    packages=find_packages(
+        include=["megatron_pdm", "megatron_pdm.*", "rollout_bridge", "rollout_bridge.*"]
+    ),
     python_requires=">=3.11",
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,

@@ -1,6 +1,6 @@
 """rollout_bridge: rollouts with behavior-policy top-K support, from SGLang or in-process.
 
-Public API (docs/readme/bridge.md)::
+Public API (README, "Rollout bridge")::
 
     from rollout_bridge import SGLangEngine, LocalEngine, parse_generate_response
     samples = parse_generate_response(body, top_k=20, vocab_size=None)

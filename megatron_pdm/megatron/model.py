@@ -32,7 +32,6 @@ import torch.nn.functional as F
 
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -212,7 +211,8 @@ def layer_spec(arch: Qwen3MoeArch, *, use_te: bool = False) -> TransformerBlockS
 def _local_layer_count(config: TransformerConfig, pp_rank: int) -> int:
     if config.num_layers % config.pipeline_model_parallel_size:
         raise ValueError(
-            f"num_layers={config.num_layers} not divisible by PP={config.pipeline_model_parallel_size}"
+            f"num_layers={config.num_layers} not divisible by "
+            f"PP={config.pipeline_model_parallel_size}"
         )
     return config.num_layers // config.pipeline_model_parallel_size
 
@@ -227,10 +227,12 @@ def build_model(
     parallel_output: bool = True,
     vp_stage: Optional[int] = None,
 ) -> GPTModel:
-    """Build the (TP/EP/PP-local) GPTModel. Call after `parallel_state.initialize_model_parallel`."""
+    """Builds the (TP/EP/PP-local) GPTModel; call after `initialize_model_parallel`."""
     block = layer_spec(arch, use_te=use_te)
     n_local = _local_layer_count(config, 0)
-    block = TransformerBlockSubmodules(layer_specs=block.layer_specs[:n_local], layer_norm=block.layer_norm)
+    block = TransformerBlockSubmodules(
+        layer_specs=block.layer_specs[:n_local], layer_norm=block.layer_norm
+    )
     return GPTModel(
         config=config,
         transformer_layer_spec=block,

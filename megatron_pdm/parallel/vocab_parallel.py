@@ -20,8 +20,8 @@ Backward is the cross-entropy backward of the sampled token only:
 d log pi_k / d logits = (onehot_k - softmax) / temperature, local to each shard. Every other
 statistic is detached.
 
-Memory (the design choice): by default the op saves the logits tensor by reference (no copy) plus [N]
-vectors, and *recomputes* the softmax chunk by chunk in backward instead of keeping an fp32
+Memory (the design choice): by default the op saves the logits tensor by reference (no copy)
+plus [N] vectors, and *recomputes* the softmax chunk by chunk in backward instead of keeping an fp32
 [N, Vl] softmax like Megatron's CE does. Forward uses one reusable fp32 row-chunk buffer of at
 most `chunk_elems` elements (default 2^24 = 64 MiB); the only full-size allocation is the
 gradient, in the logits' dtype, which fp32/fp64 backward computes in place of its own storage

@@ -113,7 +113,7 @@ class RolloutConfig:
     """engine=sglang: total timeout of one /generate request."""
     max_retries: int = 3
     topk_transport: str = "json"
-    """engine=sglang: "json" or "flat_b64" (see docs/readme/bridge.md)."""
+    """engine=sglang: "json" or "flat_b64" (see README, "Binary top-K path")."""
     keep_synced: int = 2
     """engine=sglang: exported weight directories kept on disk (older ones are deleted)."""
 

@@ -1,8 +1,9 @@
 """End-of-run outputs: the PNG plot and the summary table (printed on rank 0 and saved).
 
-Plot panels (x = optimizer step; trailing moving average over ~1/40 of the run): mean rollout reward; masked fraction overall and by advantage
-sign; mean |pi_k - mu_k| and mean |log pi_k - log mu_k| (train/rollout mismatch); top-K KL / TV
-between the training policy and the rollout support.
+Plot panels (x = optimizer step; trailing moving average over ~1/40 of the run): mean rollout
+reward; masked fraction overall and by advantage sign; mean |pi_k - mu_k| and mean
+|log pi_k - log mu_k| (train/rollout mismatch); top-K KL / TV between the training policy and the
+rollout support.
 
 Summary: RL reward at the start (mean of the first `window` iterations) and at the end (last
 `window`), greedy held-out accuracy before the warm-up, after it (= before RL) and after RL, the

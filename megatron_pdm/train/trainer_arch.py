@@ -1,4 +1,4 @@
-"""RunConfig -> Qwen3MoeArch without a checkpoint (kept apart from the trainer for light imports)."""
+"""RunConfig -> Qwen3MoeArch without a checkpoint (apart from the trainer for light imports)."""
 
 from __future__ import annotations
 

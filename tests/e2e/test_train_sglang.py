@@ -99,7 +99,8 @@ def _run(tmp_path, name, converted, layout):
             "rollout.engine=sglang", f"rollout.sglang_url={server.url}",
             f"rollout.hf_checkpoint={work / 'sync'}", "rollout.max_sequence_length=16",
             "rollout.rollout_precision=null", "rollout.sync_at_start=false",
-            "rollout.temperature=1.0", "task.partial_credit=true", "warmup.steps=0", "train.iterations=3",
+            "rollout.temperature=1.0", "task.partial_credit=true", "warmup.steps=0",
+            "train.iterations=3",
             "loss.preset=pdm-exact", "checkpoint.save_interval=0",
             "train.eval_prompts=4"], timeout=300)
         calls = server.calls()
