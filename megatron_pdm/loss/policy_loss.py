@@ -141,8 +141,9 @@ def policy_loss(
         .per_token_loss, .divergence, .away_score, .ratio. See the module docstring.
 
     Raises:
-        ValueError: shape mismatches, missing seq_ids, or loss rows without a support when the
-            config needs one (row named).
+        ValueError: shape mismatches, missing seq_ids, non-finite advantages or behavior
+            logprobs on loss rows, or loss rows without a support when the config needs one
+            (row named).
     """
     n = stats.logprob.shape[0]
     _check_shapes(n, advantages=advantages, behavior_logprob=behavior_logprob,
@@ -153,6 +154,11 @@ def policy_loss(
     if needs_support and n and bool((lm_N & ~stats.has_support).any()):
         row = int((lm_N & ~stats.has_support).nonzero()[0, 0])
         raise ValueError(f"loss_mask row {row} has no valid support but {cfg.proximity} needs it")
+    for name, t in (("advantages", advantages), ("behavior_logprob", behavior_logprob)):
+        bad_N = lm_N & ~torch.isfinite(t)
+        if n and bool(bad_N.any()):
+            row = int(bad_N.nonzero()[0, 0])
+            raise ValueError(f"{name}: row {row} is {float(t[row])} on a loss row")
     if cfg.aggregation != "token-mean" and seq_ids is None:
         raise ValueError(f"aggregation {cfg.aggregation!r} needs seq_ids")
 

@@ -395,6 +395,14 @@ def token_stats(
         logits, sampled_ids, support_ids, support_valid, tp_group, shard, float(temperature),
         int(chunk_elems), bool(inplace),
     )
+    if validate and logprob_N.numel():
+        # NaN or +inf anywhere in a row's (real) logits makes its global max non-finite; the max
+        # is replicated after the all-reduce, so every TP rank raises together (no hang).
+        bad_N = ~torch.isfinite(max_N2[:, 0])
+        if bool(bad_N.any()):
+            row = int(bad_N.nonzero()[0, 0])
+            raise ValueError(f"logits: row {row} has non-finite values "
+                             f"(row max {float(max_N2[row, 0])})")
     s = support_ids.shape[1]
     return assemble_token_stats(
         logprob_N,

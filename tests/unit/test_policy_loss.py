@@ -180,3 +180,24 @@ def test_noise_floor_falls_back_to_ratio_direction():
         out = pdm.policy_loss(st, torch.tensor([adv]), _f64(math.log(0.06)),
                               torch.tensor([True]), cfg)
         assert bool(out.mask[0]) is keep
+
+
+@pytest.mark.parametrize("field", ["advantages", "behavior_logprob"])
+def test_non_finite_inputs_on_loss_rows_raise_naming_row(field):
+    import megatron_pdm as pdm
+    from tests._cases import make_case, op_args
+
+    case = make_case(21, 5, 30, 3)
+    stats = pdm.token_stats(case["logits"], *op_args(case), vocab_size=30)
+    adv = torch.ones(5)
+    beh = stats.logprob.detach().clone()
+    mask = torch.tensor([True, True, False, True, True])
+    values = {"advantages": adv, "behavior_logprob": beh}
+    values[field] = values[field].clone()
+    values[field][2] = float("nan")  # not a loss row: ignored
+    pdm.policy_loss(stats, values["advantages"], values["behavior_logprob"], mask,
+                    pdm.PolicyLossConfig.preset("pdm-agg"))
+    values[field][3] = float("nan")
+    with pytest.raises(ValueError, match=rf"{field}: row 3"):
+        pdm.policy_loss(stats, values["advantages"], values["behavior_logprob"], mask,
+                        pdm.PolicyLossConfig.preset("pdm-agg"))

@@ -242,3 +242,16 @@ def test_inplace_is_ignored_for_bf16():
     x = case["logits"].clone()
     pdm.token_stats(x, *op_args(case), vocab_size=100, inplace=True)
     assert torch.equal(x, case["logits"])
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_logits_raise_naming_row(bad):
+    logits, k, ids, lp, valid = _bad_inputs()
+    logits = logits.clone()
+    logits[3, 7] = bad
+    with pytest.raises(ValueError, match=r"logits: row 3 has non-finite values"):
+        pdm.token_stats(logits, k, ids, lp, valid)
+    # padding columns (ids >= vocab_size) never enter the softmax, whatever they hold
+    padded = torch.cat([logits[:, :0].new_zeros(6, 0), _bad_inputs()[0],
+                        torch.full((6, 2), bad)], dim=1)
+    stats = pdm.token_stats(padded, k, ids, lp, valid, vocab_size=40)
+    assert torch.isfinite(stats.logprob).all()
