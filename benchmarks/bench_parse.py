@@ -1,11 +1,14 @@
 """Benchmark: SGLang top-K responses (K=20, 8k tokens) -> rollout samples.
 
 Compares, in one run on the same synthetic but realistically shaped bodies (ecosystem.md §(c)):
-  floor     one orjson.loads of the nested /generate body (any JSON path pays this)
+  floor     one orjson.loads of the nested /generate body with the cyclic GC paused (any JSON
+            path pays this); also shown with the GC running
   ours-json rollout_bridge.parse_generate_response (orjson + C-level flattening + numpy)
   baseline  stdlib json + per-position Python loops + torch.tensor (the DPPO/Stable-RL way)
-  ours-b64  binary path: generation body with K=0 + scoring body with flat base64 top-K
-            (parse_generate_response + parse_scoring_response)
+  ours-flat binary path, one request: the /generate body with the output top-K as SGLang's
+            flat base64 arrays (`return_flat_raw_output_top_logprobs`), parse_generate_response
+  ours-b64  binary path, two requests: generation body with K=0 + scoring body with flat base64
+            prompt-side top-K (parse_generate_response + parse_scoring_response)
 Reports medians and ratios. Usage: python benchmarks/bench_parse.py [--tokens 8192 --k 20]
 """
 
@@ -59,7 +62,14 @@ def make_bodies(t: int, k: int, vocab: int = 151936, prompt_len: int = 512, seed
              "input_top_logprobs_idx_flat_b64_dtype": "int32",
              "input_top_logprobs_shape": [t, k], "input_top_logprobs_null_prefix": 0}
     scoring = orjson.dumps({"text": "", "output_ids": [], "meta_info": smeta})
-    return nested, gen0, scoring
+    fmeta = {**meta,
+             "output_top_logprobs_val_flat_b64": smeta["input_top_logprobs_val_flat_b64"],
+             "output_top_logprobs_idx_flat_b64": smeta["input_top_logprobs_idx_flat_b64"],
+             "output_top_logprobs_val_flat_b64_dtype": "float32",
+             "output_top_logprobs_idx_flat_b64_dtype": "int32",
+             "output_top_logprobs_shape": [t, k], "output_top_logprobs_null_prefix": 0}
+    flat_out = orjson.dumps({"text": "", "output_ids": sampled.tolist(), "meta_info": fmeta})
+    return nested, gen0, scoring, flat_out
 
 
 def baseline(body: bytes, k: int):
@@ -97,7 +107,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=9)
     args = ap.parse_args()
     t, k = args.tokens, args.k
-    nested, gen0, scoring = make_bodies(t, k)
+    nested, gen0, scoring, flat_out = make_bodies(t, k)
     prompt = list(range(512))
 
     def ours_b64():
@@ -111,6 +121,9 @@ def main() -> None:
     b = ours_b64()[0]
     assert torch.equal(a.support_ids, b.support_ids) and torch.equal(a.support_valid,
                                                                      b.support_valid)
+    c = parse_generate_response(flat_out, top_k=k, vocab_size=151936)[0]
+    assert all(torch.equal(getattr(a, n), getattr(c, n))
+               for n in ("support_ids", "support_logprobs", "support_valid"))
     def floor_paused():
         with gc_paused():
             return orjson.loads(nested)
@@ -122,7 +135,9 @@ def main() -> None:
         ("ours, JSON path (parse_generate_response)",
          lambda: parse_generate_response(nested, top_k=k, vocab_size=151936), len(nested)),
         ("baseline: stdlib json + Python loops", lambda: baseline(nested, k), len(nested)),
-        ("ours, binary path (K=0 gen body + b64 scoring body)", ours_b64,
+        ("ours, binary: output-side flat b64 (one /generate, `flat_b64`)",
+         lambda: parse_generate_response(flat_out, top_k=k, vocab_size=151936), len(flat_out)),
+        ("ours, binary: K=0 gen body + b64 scoring body (`scoring_b64`)", ours_b64,
          len(gen0) + len(scoring)),
     ]
     res = [(name, median_ms(fn, args.repeats), size) for name, fn, size in rows]

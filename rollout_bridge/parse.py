@@ -304,6 +304,37 @@ _META_KEYS = ("id", "weight_version", "prompt_tokens", "completion_tokens", "cac
               "e2e_latency")
 
 
+def _flat_output_top(meta: dict, t: int, top_k: int, sample_index: int
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, int]]:
+    """Output-side flat top-K -> ([T,K] ids, [T,K] logprobs, [T,K] valid, stats).
+
+    Row r is output position null_prefix + r; positions before null_prefix have no top-K
+    (invalid slots, counted as short). -inf entries become invalid slots; NaN is an error.
+    """
+    vals_rk, idx_rk, null_prefix = decode_flat_topk(meta, sample_index, side="output")
+    rows, k = vals_rk.shape
+    if null_prefix + rows != t:
+        raise RolloutValidationError(
+            f"length mismatch: flat output top-K covers {null_prefix} + {rows} positions, "
+            f"output_token_logprobs {t}", sample_index, min(null_prefix + rows, t))
+    kk = min(k, top_k)
+    ids_tk = np.zeros((t, top_k), dtype=np.int64)
+    lp_tk = np.full((t, top_k), -np.inf, dtype=np.float32)
+    ids_tk[null_prefix:, :kk] = idx_rk[:, :kk]
+    lp_tk[null_prefix:, :kk] = vals_rk[:, :kk]
+    if np.isnan(lp_tk).any():
+        p = _first(np.isnan(lp_tk))
+        raise RolloutValidationError("NaN top-K logprob", sample_index, p)
+    valid_tk = np.isfinite(lp_tk)
+    short = null_prefix + (rows if k < top_k else 0)
+    stats = {"num_short_positions": short,
+             "num_missing_topk_slots": int(null_prefix * top_k + rows * max(0, top_k - k)),
+             "num_truncated_positions": rows if k > top_k else 0,
+             "num_neg_inf_slots": int(np.isneginf(vals_rk[:, :kk]).sum())}
+    ids_tk, lp_tk, valid_tk = _sort_rank_order(ids_tk, lp_tk, valid_tk)
+    return ids_tk, lp_tk, valid_tk, stats
+
+
 def parse_response_object(obj: Any, top_k: int, vocab_size: int | None = None,
                           sample_index: int = 0, validate: bool = True) -> RolloutSample:
     """Parses one decoded `/generate` response object (see `parse_generate_response`)."""
@@ -317,7 +348,9 @@ def parse_response_object(obj: Any, top_k: int, vocab_size: int | None = None,
     info = {key: meta[key] for key in _META_KEYS if key in meta}
     info["finish_reason_raw"] = meta.get("finish_reason")
     stats = {"num_short_positions": 0, "num_missing_topk_slots": 0, "num_truncated_positions": 0}
-    if top_k > 0:
+    if top_k > 0 and has_flat_topk(meta, "output"):
+        ids_tk, lp_tk, valid_tk, stats = _flat_output_top(meta, t, top_k, sample_index)
+    elif top_k > 0:
         top = meta.get("output_top_logprobs")
         if top is None and t > 0:
             raise RolloutValidationError(
@@ -387,36 +420,55 @@ def parse_generate_response(body: bytes | str | dict | list, top_k: int = 20,
 # --------------------------------------------------------------------------- binary path
 
 
-def decode_flat_topk(meta: dict, sample_index: int = 0
-                     ) -> tuple[np.ndarray, np.ndarray, int]:
-    """Decodes SGLang's flat base64 prompt-side top-K without copying.
+def has_flat_topk(meta: dict, side: str) -> bool:
+    """Whether `meta` carries SGLang's flat top-K for `side` ("input" or "output")."""
+    return (f"{side}_top_logprobs_val_flat_b64" in meta
+            or f"{side}_top_logprobs_val_flat" in meta)
 
-    Entry j of covered prompt position i is at flat[(i - null_prefix) * k + j] (ecosystem §4.2).
+
+def decode_flat_topk(meta: dict, sample_index: int = 0, side: str = "input"
+                     ) -> tuple[np.ndarray, np.ndarray, int]:
+    """Decodes SGLang's flat top-K of one side; base64 arrays without copying.
+
+    Fields `{side}_top_logprobs_{val,idx}_flat_b64` (+ `_dtype`, little-endian) or the plain
+    JSON lists `{side}_top_logprobs_{val,idx}_flat`, with `{side}_top_logprobs_shape` [rows, k]
+    and `{side}_top_logprobs_null_prefix`. Entry j of covered position i is at
+    flat[(i - null_prefix) * k + j] (ecosystem §4.2). side="output" exists since SGLang 0.5.2x
+    (`return_flat_raw_output_top_logprobs`, finished non-streaming responses only).
 
     Returns:
-        (values [rows, k] fp32, ids [rows, k] int32, null_prefix); read-only views.
+        (values [rows, k] fp32, ids [rows, k] int32, null_prefix); read-only views for base64.
     """
     try:
-        shape = meta["input_top_logprobs_shape"]
-        val_b64 = meta["input_top_logprobs_val_flat_b64"]
-        idx_b64 = meta["input_top_logprobs_idx_flat_b64"]
+        shape = meta[f"{side}_top_logprobs_shape"]
+        if f"{side}_top_logprobs_val_flat_b64" in meta:
+            val_b64 = meta[f"{side}_top_logprobs_val_flat_b64"]
+            idx_b64 = meta[f"{side}_top_logprobs_idx_flat_b64"]
+        else:
+            val_b64 = idx_b64 = None
+            val_list = meta[f"{side}_top_logprobs_val_flat"]
+            idx_list = meta[f"{side}_top_logprobs_idx_flat"]
     except KeyError as exc:
         raise MalformedResponseError(
-            f"scoring response lacks {exc.args[0]} (request "
-            "return_flat_raw_top_logprobs_b64=true)", sample_index) from None
-    val_name = meta.get("input_top_logprobs_val_flat_b64_dtype", "float32")
-    idx_name = meta.get("input_top_logprobs_idx_flat_b64_dtype", "int32")
-    val_dtype = np.dtype(val_name).newbyteorder("<")
-    idx_dtype = np.dtype(idx_name).newbyteorder("<")
+            f"response lacks {exc.args[0]} (request return_flat_raw_"
+            f"{'output_' if side == 'output' else ''}top_logprobs)", sample_index) from None
     rows, k = int(shape[0]), int(shape[1])
-    vals = np.frombuffer(pybase64.b64decode(val_b64), dtype=val_dtype)
-    idx = np.frombuffer(pybase64.b64decode(idx_b64), dtype=idx_dtype)
+    if val_b64 is not None:
+        val_name = meta.get(f"{side}_top_logprobs_val_flat_b64_dtype", "float32")
+        idx_name = meta.get(f"{side}_top_logprobs_idx_flat_b64_dtype", "int32")
+        val_dtype = np.dtype(val_name).newbyteorder("<")
+        idx_dtype = np.dtype(idx_name).newbyteorder("<")
+        vals = np.frombuffer(pybase64.b64decode(val_b64), dtype=val_dtype)
+        idx = np.frombuffer(pybase64.b64decode(idx_b64), dtype=idx_dtype)
+    else:
+        vals = _floats(val_list, len(val_list)).astype(np.float32)
+        idx = _ints(idx_list, len(idx_list), f"{side}_top_logprobs_idx_flat", sample_index)
     if vals.size != rows * k or idx.size != rows * k:
         raise RolloutValidationError(
             f"flat top-K has {vals.size} values / {idx.size} ids, shape says {rows}x{k}",
             sample_index)
     return vals.reshape(rows, k), idx.reshape(rows, k), int(meta.get(
-        "input_top_logprobs_null_prefix", 0) or 0)
+        f"{side}_top_logprobs_null_prefix", 0) or 0)
 
 
 def scoring_rows(prompt_len: int, num_response: int, logprob_start_len: int,
@@ -501,5 +553,5 @@ def _attach_scoring(body, samples, top_k, vocab_size, logprob_start_lens, valida
         sample.support_logprobs = torch.from_numpy(lp_ts)
         sample.support_valid = torch.from_numpy(valid_ts)
         sample.meta_info["sampled_in_topk"] = n_in
-        sample.meta_info["topk_transport"] = "flat_b64"
+        sample.meta_info["topk_transport"] = "scoring_b64"
         sample.meta_info["num_neg_inf_slots"] = int((~valid_tk).sum())

@@ -15,10 +15,17 @@ HTTP 5xx/408/429, malformed JSON, responses that fail validation and items finis
 (prompt index, attempts, last error); `raise_on_failure=True` turns failures into an exception.
 Other HTTP 4xx are not retried (the request itself is wrong).
 
-Opt-in binary top-K (`topk_transport="flat_b64"`): generate with `top_logprobs_num=0` (sampled
-logprobs only, small JSON), then one scoring request per prompt (input_ids = prompt + response,
-`max_new_tokens=0`, `logprob_start_len=len(prompt)`, `top_logprobs_num=K`,
-`return_flat_raw_top_logprobs_b64=true`) decoded zero-copy. Cost: a second prefill over
+Binary top-K transports (opt-in; "json" = the nested triples is the default):
+- `topk_transport="flat_b64"`: one /generate request with `top_logprobs_num=K`,
+  `return_flat_raw_output_top_logprobs=true` and `return_flat_raw_top_logprobs_b64=true`: the
+  finished response carries the output top-K as base64 float32/int32 `[T, K]` arrays
+  (`output_top_logprobs_{val,idx}_flat_b64`, SGLang >= 0.5.2x, non-streaming only), decoded
+  zero-copy. No extra cost on the server; only the sampled-token list stays nested JSON.
+- `topk_transport="scoring_b64"` (for servers without the output-side flat format): generate with
+  `top_logprobs_num=0` (sampled logprobs only, small JSON), then one scoring request per prompt
+  (input_ids = prompt + response, `max_new_tokens=0`, `logprob_start_len=len(prompt)`,
+  `top_logprobs_num=K`, `return_flat_raw_top_logprobs=true`,
+  `return_flat_raw_top_logprobs_b64=true`) decoded zero-copy. Cost: a second prefill over
 prompt + response per sample (about one forward of the sequence; no decode), in exchange for
 ~4x less payload and no JSON triple decoding. Top-K then comes from prefill numerics while the
 sampled logprob is the decode one (they agree to ~1e-6 in fp32 per miles #2722; bf16/FP8 engines
@@ -57,7 +64,7 @@ from rollout_bridge.types import (
 
 logger = logging.getLogger(__name__)
 
-TOPK_TRANSPORTS = ("json", "flat_b64")
+TOPK_TRANSPORTS = ("json", "flat_b64", "scoring_b64")
 
 
 class _AttemptError(Exception):
@@ -104,7 +111,8 @@ class SGLangEngine:
         expected_model_path: Startup check against /get_model_info's model_path.
         allow_truncated_sampling: Accept top_p < 1, top_k != -1 or min_p > 0.
         raise_on_failure: Default of `generate(raise_on_failure=...)`.
-        topk_transport: "json" (nested triples) or "flat_b64" (scoring request, see above).
+        topk_transport: "json" (nested triples), "flat_b64" (output-side base64 arrays in the
+            same response) or "scoring_b64" (a second, prefill-only scoring request); see above.
         control_timeout_s: Timeout of control requests (health, weight updates).
         pause_mode: `mode` sent to /pause_generation ("abort", "retract" or "in_place").
         check_on_start: Run `check_server()` in the constructor.
@@ -343,10 +351,14 @@ class SGLangEngine:
                                rids: list[str], top_k: int | None = None) -> dict:
         """Body of one /generate request: `num_items` repeats of one prompt."""
         k = self.top_k if top_k is None else top_k
-        return {"input_ids": [list(prompt) for _ in range(num_items)],
-                "sampling_params": dict(sampling_params), "rid": list(rids),
-                "return_logprob": True, "top_logprobs_num": k, "logprob_start_len": -1,
-                "return_text_in_logprobs": False, "stream": False}
+        payload = {"input_ids": [list(prompt) for _ in range(num_items)],
+                   "sampling_params": dict(sampling_params), "rid": list(rids),
+                   "return_logprob": True, "top_logprobs_num": k, "logprob_start_len": -1,
+                   "return_text_in_logprobs": False, "stream": False}
+        if self.topk_transport == "flat_b64" and k > 0:
+            payload.update(return_flat_raw_output_top_logprobs=True,
+                           return_flat_raw_top_logprobs_b64=True)
+        return payload
 
     def build_scoring_payload(self, prompt: list[int], responses: list[list[int]],
                               temperature: float, rids: list[str]) -> dict:
@@ -355,7 +367,8 @@ class SGLangEngine:
                 "sampling_params": {"max_new_tokens": 0, "temperature": temperature},
                 "rid": list(rids), "return_logprob": True, "logprob_start_len": len(prompt),
                 "top_logprobs_num": self.top_k, "return_text_in_logprobs": False,
-                "return_flat_raw_top_logprobs_b64": True, "stream": False}
+                "return_flat_raw_top_logprobs": True, "return_flat_raw_top_logprobs_b64": True,
+                "stream": False}
 
     # ------------------------------------------------------------------ generation
 
@@ -450,7 +463,7 @@ class SGLangEngine:
     async def _attempt(self, session, prompt: list[int], items: list[int], params: dict,
                        temperature: float, rids: list[str]) -> list:
         """One attempt for some items of a prompt: a sample or an `_AttemptError` per item."""
-        b64 = self.topk_transport == "flat_b64"
+        b64 = self.topk_transport == "scoring_b64"
         payload = self.build_generate_payload(prompt, len(items), params, rids,
                                               top_k=0 if b64 else self.top_k)
         try:
@@ -460,7 +473,7 @@ class SGLangEngine:
         results: list = []
         for idx, obj in enumerate(objs):
             try:
-                # flat_b64: the final support (sampled token included) is validated once, when
+                # scoring_b64: the final support (sampled token included) is validated once, when
                 # the scoring response is folded in; structural checks still run here.
                 sample = parse_response_object(obj, 0 if b64 else self.top_k, self.vocab_size,
                                                idx, validate=not b64)

@@ -113,7 +113,7 @@ class RolloutConfig:
     """engine=sglang: total timeout of one /generate request."""
     max_retries: int = 3
     topk_transport: str = "json"
-    """engine=sglang: "json" or "flat_b64" (see README, "Binary top-K path")."""
+    """engine=sglang: "json", "flat_b64" or "scoring_b64" (README, "Binary top-K path")."""
     keep_synced: int = 2
     """engine=sglang: exported weight directories kept on disk (older ones are deleted)."""
 
@@ -206,7 +206,8 @@ class RunConfig:
                 ("rollout.engine", self.rollout.engine, ("local", "sglang")),
                 ("rollout.rollout_precision", self.rollout.rollout_precision,
                  (None, "fp32", "bf16", "fp8")),
-                ("rollout.topk_transport", self.rollout.topk_transport, ("json", "flat_b64")),
+                ("rollout.topk_transport", self.rollout.topk_transport,
+                 ("json", "flat_b64", "scoring_b64")),
                 ("precision.params_dtype", self.precision.params_dtype, ("fp32", "bf16")),
                 ("precision.fp8", self.precision.fp8, (None, "e4m3", "hybrid")),
                 ("precision.fp8_recipe", self.precision.fp8_recipe,

@@ -205,6 +205,14 @@ class FakeSGLangServer:
         if fault.kind == "drop":
             request.transport.close()
             raise asyncio.CancelledError()
+        if body.get("return_flat_raw_top_logprobs_b64") and not (
+                body.get("return_flat_raw_top_logprobs")
+                or body.get("return_flat_raw_output_top_logprobs")):
+            # SGLang's GenerateReqInput refuses this combination (io_struct, 0.5.23)
+            return web.json_response({"error": {"message": "return_flat_raw_top_logprobs_b64 "
+                                                 "requires return_flat_raw_top_logprobs or "
+                                                 "return_flat_raw_output_top_logprobs."}},
+                                     status=400)
         loop = asyncio.get_running_loop()
         out = await loop.run_in_executor(None, self._answer, body, fault)
         raw = orjson.dumps(out)
@@ -237,6 +245,9 @@ class FakeSGLangServer:
                 obj = self._one(prompt, params, k, key in fault.abort_items,
                                 key in fault.ragged_items, key in fault.corrupt_items,
                                 seed_key=key)
+                if k > 0 and body.get("return_flat_raw_output_top_logprobs"):
+                    _flatten_output_top(obj["meta_info"], k,
+                                        bool(body.get("return_flat_raw_top_logprobs_b64")))
             obj["meta_info"]["id"] = rids[i]
             obj["meta_info"]["e2e_latency"] = time.perf_counter() - start
             out.append(obj)
@@ -325,6 +336,33 @@ class FakeSGLangServer:
                     _triples(v, i) for v, i in zip(vals_rk.tolist(), idx_rk.tolist())]
         meta["output_top_logprobs"] = []
         return {"text": "", "output_ids": [], "meta_info": meta}
+
+
+def _flatten_output_top(meta: dict, k: int, b64: bool) -> None:
+    """SGLang's `return_flat_raw_output_top_logprobs`: replaces the nested output top-K of a
+    finished response by [rows, k] arrays (base64 little-endian float32/int32 with `b64`), or
+    keeps the nested form when the rows are not rectangular (SGLang falls back the same way)."""
+    top = meta["output_top_logprobs"] or []
+    null_prefix = 0
+    while null_prefix < len(top) and not top[null_prefix]:
+        null_prefix += 1
+    rows = top[null_prefix:]
+    if any(row is None or len(row) != k for row in rows):
+        return
+    vals = np.asarray([[e[0] for e in row] for row in rows], dtype="<f4").reshape(len(rows), k)
+    idx = np.asarray([[e[1] for e in row] for row in rows], dtype="<i4").reshape(len(rows), k)
+    del meta["output_top_logprobs"]
+    if b64:
+        meta.update({
+            "output_top_logprobs_val_flat_b64": pybase64.b64encode(vals.tobytes()).decode(),
+            "output_top_logprobs_idx_flat_b64": pybase64.b64encode(idx.tobytes()).decode(),
+            "output_top_logprobs_val_flat_b64_dtype": "float32",
+            "output_top_logprobs_idx_flat_b64_dtype": "int32"})
+    else:
+        meta.update({"output_top_logprobs_val_flat": vals.reshape(-1).tolist(),
+                     "output_top_logprobs_idx_flat": idx.reshape(-1).tolist()})
+    meta["output_top_logprobs_shape"] = [len(rows), k]
+    meta["output_top_logprobs_null_prefix"] = null_prefix
 
 
 # ---------------------------------------------------------------------------------------------

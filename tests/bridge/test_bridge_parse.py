@@ -13,6 +13,7 @@ import os
 import numpy as np
 import orjson
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -203,3 +204,54 @@ def test_sum_mu_tolerance():
     lp_b = math.log(0.4 + 2e-4)
     err = _err(_body([(lp_a, 1)], [[(lp_a, 1), (lp_b, 2)]]), k=2)
     assert err.position == 0
+
+
+def _flat_output_body(null_prefix: int, k: int, b64: bool) -> tuple[dict, list, list]:
+    """A 4-token response whose output top-K comes in SGLang's flat form (rows after the null
+    prefix); returns (body, sampled ids, [4][k] nested rows for the same data)."""
+    import pybase64
+
+    ids = [[9, 4, 2][:k], [1, 5, 6][:k], [3, 8, 7][:k], [2, 9, 1][:k]]
+    lps = [[-0.3, -2.0, -3.0][:k], [-0.5, -1.5, -2.5][:k], [-0.1, -3.0, -4.0][:k],
+           [-0.3, -2.2, -2.9][:k]]
+    sampled = [9, 5, 8, 4]
+    slp = [-0.3, -1.5, -3.0, -5.0]
+    meta = {"finish_reason": {"type": "length"}, "weight_version": "3",
+            "output_token_logprobs": [[lp, t, None] for lp, t in zip(slp, sampled)]}
+    rows_v = np.asarray(lps[null_prefix:], dtype="<f4").reshape(4 - null_prefix, k)
+    rows_i = np.asarray(ids[null_prefix:], dtype="<i4").reshape(4 - null_prefix, k)
+    if b64:
+        meta["output_top_logprobs_val_flat_b64"] = pybase64.b64encode(rows_v.tobytes()).decode()
+        meta["output_top_logprobs_idx_flat_b64"] = pybase64.b64encode(rows_i.tobytes()).decode()
+    else:
+        meta["output_top_logprobs_val_flat"] = rows_v.reshape(-1).tolist()
+        meta["output_top_logprobs_idx_flat"] = rows_i.reshape(-1).tolist()
+    meta["output_top_logprobs_shape"] = [4 - null_prefix, k]
+    meta["output_top_logprobs_null_prefix"] = null_prefix
+    nested = [None if p < null_prefix else [[float(np.float32(v)), i, None]
+                                            for v, i in zip(lps[p], ids[p])] for p in range(4)]
+    return {"output_ids": sampled, "meta_info": meta}, sampled, nested
+
+
+@pytest.mark.parametrize("b64", [True, False])
+@pytest.mark.parametrize("null_prefix,k", [(0, 3), (1, 3), (0, 2)])
+def test_flat_output_topk_equals_nested(b64, null_prefix, k):
+    body, sampled, nested = _flat_output_body(null_prefix, k, b64)
+    (flat,) = parse_generate_response(orjson.dumps(body), top_k=3, vocab_size=10)
+    nested_body = {"output_ids": sampled, "meta_info": {
+        **{key: v for key, v in body["meta_info"].items() if "flat" not in key
+           and "shape" not in key and "null_prefix" not in key},
+        "output_top_logprobs": nested}}
+    (ref,) = parse_generate_response(orjson.dumps(nested_body), top_k=3, vocab_size=10)
+    for name in ("support_ids", "support_logprobs", "support_valid", "behavior_logprob"):
+        assert torch.equal(getattr(flat, name), getattr(ref, name)), name
+    assert flat.meta_info["num_short_positions"] == ref.meta_info["num_short_positions"]
+
+
+def test_flat_output_topk_length_mismatch_names_position():
+    body, _, _ = _flat_output_body(0, 3, True)
+    body["meta_info"]["output_top_logprobs_shape"] = [3, 3]
+    body["meta_info"]["output_top_logprobs_val_flat_b64"] = body["meta_info"][
+        "output_top_logprobs_val_flat_b64"][:16]  # 3 rows x 3 fp32 = 36 bytes -> 48 b64 chars
+    with pytest.raises(RolloutValidationError):
+        parse_generate_response(orjson.dumps(body), top_k=3, vocab_size=10)

@@ -194,14 +194,37 @@ def test_scoring_rows_mapping():
         scoring_rows(4, 3, 5, 0)
 
 
-def test_flat_b64_path_matches_json_path(server):
+@pytest.mark.parametrize("ragged", [False, True])
+def test_output_flat_b64_matches_json_path(server, ragged):
+    """topk_transport="flat_b64": one request; the output top-K comes as base64 arrays (or, for
+    ragged rows, nested, as SGLang falls back) and parses to exactly the JSON path's tensors."""
+    server.deterministic_seeds = True  # same (prompt, sample) -> same tokens for both clients
+    if ragged:
+        server.fault_fn = lambda body, n: Fault(ragged_items={0, 1})
+    kw = dict(top_k=4)
+    json_batch = _client(server, **kw).generate(prompts(3), PARAMS, n=2)
+    flat_batch = _client(server, topk_transport="flat_b64", **kw).generate(prompts(3), PARAMS,
+                                                                          n=2)
+    assert not json_batch.failures and not flat_batch.failures
+    gens = [b for n, b in server.calls if n == "generate"]
+    flat_bodies = [b for b in gens if b.get("return_flat_raw_output_top_logprobs")]
+    assert flat_bodies and all(b["return_flat_raw_top_logprobs_b64"] for b in flat_bodies)
+    assert len(gens) == 2 * len(flat_bodies)  # no scoring requests
+    for a, b in zip(json_batch, flat_batch):
+        assert torch.equal(a.response_ids, b.response_ids)
+        for name in ("support_ids", "support_logprobs", "support_valid", "behavior_logprob"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+    server.fault_fn, server.deterministic_seeds = None, False
+
+
+def test_scoring_b64_path_matches_json_path(server):
     json_client = _client(server, top_k=4)
-    b64_client = _client(server, top_k=4, topk_transport="flat_b64")
+    b64_client = _client(server, top_k=4, topk_transport="scoring_b64")
     batch = b64_client.generate(prompts(3), PARAMS, n=2)
     assert not batch.failures
     eng = server.engine
     for s in batch:
-        assert s.meta_info["topk_transport"] == "flat_b64"
+        assert s.meta_info["topk_transport"] == "scoring_b64"
         full = torch.cat([s.prompt_ids, s.response_ids]).tolist()
         lp_lv = eng.score(full, 1.0)
         p = s.prompt_ids.shape[0]
@@ -210,6 +233,7 @@ def test_flat_b64_path_matches_json_path(server):
         torch.testing.assert_close(s.support_logprobs[:, :4], vals, atol=1e-5, rtol=1e-6)
     scoring = [b for n, b in server.calls if n == "generate" and
                b.get("return_flat_raw_top_logprobs_b64")]
+    assert all(b["return_flat_raw_top_logprobs"] for b in scoring)
     assert scoring and scoring[0]["sampling_params"]["max_new_tokens"] == 0
     for body in scoring:   # logprob_start_len = prompt length of that request's prompt
         start = body["logprob_start_len"]
@@ -227,7 +251,9 @@ def test_flat_b64_path_matches_json_path(server):
 def test_payloads_validate_against_sglang():
     io_struct = pytest.importorskip("sglang.srt.managers.io_struct")
     client = SGLangEngine("http://127.0.0.1:1", top_k=5)
+    flat = SGLangEngine("http://127.0.0.1:1", top_k=5, topk_transport="flat_b64")
     for payload in (client.build_generate_payload([1, 2, 3], 2, PARAMS, ["a", "b"]),
+                    flat.build_generate_payload([1, 2, 3], 2, PARAMS, ["a", "b"]),
                     client.build_scoring_payload([1, 2], [[3, 4], [5]], 1.0, ["a", "b"])):
         req = io_struct.GenerateReqInput(**payload)
         req.normalize_batch_and_arguments()
