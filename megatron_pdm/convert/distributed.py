@@ -97,17 +97,10 @@ def launch(fn: Callable, world_size: int, *args) -> None:
 
 
 def init_model_parallel(tp: int, ep: int, pp: int) -> None:
-    """megatron parallel_state for the layout (expert TP 1), after the process group exists."""
-    from megatron.core import parallel_state as ps
+    """megatron parallel_state for the layout (shared with the trainer)."""
+    from megatron_pdm.megatron.parallel import init_model_parallel as _init
 
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=1,
-    )
+    _init(tp, ep, pp)
 
 
 def is_rank0() -> bool:

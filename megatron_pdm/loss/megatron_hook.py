@@ -137,9 +137,6 @@ def policy_loss_func(output_tensor: torch.Tensor, *, batch: Any, cfg: pdm.Policy
                           seq_ids=f["seq_ids"])
     loss_sum, num_tokens, metrics = out
     metrics = dict(metrics)
-    if M.ABS_LOGPROB_DIFF not in metrics:
-        metrics[M.ABS_LOGPROB_DIFF] = M.sum_count(
-            (stats.logprob.detach() - f["behavior_logprob"]).abs(), mask_N, torch.float64)
     metrics["tokens/loss"] = M.sum_count(mask_N.double(), mask_N, torch.float64)
     # The row selection keeps the graph connected to the logits even for a micro-batch without
     # loss rows, so the schedule's backward runs identically on every rank. Only if some path

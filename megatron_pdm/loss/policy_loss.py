@@ -154,11 +154,12 @@ def policy_loss(
     if needs_support and n and bool((lm_N & ~stats.has_support).any()):
         row = int((lm_N & ~stats.has_support).nonzero()[0, 0])
         raise ValueError(f"loss_mask row {row} has no valid support but {cfg.proximity} needs it")
-    for name, t in (("advantages", advantages), ("behavior_logprob", behavior_logprob)):
-        bad_N = lm_N & ~torch.isfinite(t)
-        if n and bool(bad_N.any()):
-            row = int(bad_N.nonzero()[0, 0])
-            raise ValueError(f"{name}: row {row} is {float(t[row])} on a loss row")
+    inputs_2N = torch.stack([advantages.to(torch.float64), behavior_logprob.to(torch.float64)])
+    bad_2N = lm_N & ~torch.isfinite(inputs_2N)
+    if n and bool(bad_2N.any()):  # one host sync for both checks
+        which, row = (int(i) for i in bad_2N.nonzero()[0])
+        name = ("advantages", "behavior_logprob")[which]
+        raise ValueError(f"{name}: row {row} is {float(inputs_2N[which, row])} on a loss row")
     if cfg.aggregation != "token-mean" and seq_ids is None:
         raise ValueError(f"aggregation {cfg.aggregation!r} needs seq_ids")
 

@@ -45,6 +45,20 @@ class ParallelInfo:
     dp_size: int
 
 
+def init_model_parallel(tp: int, ep: int, pp: int) -> None:
+    """megatron parallel_state for the layout (expert TP 1), after the process group exists."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=1,
+    )
+
+
 def init_parallel(*, tp: int = 1, ep: int = 1, pp: int = 1, seed: int = 1234) -> ParallelInfo:
     """Initialise torch.distributed (if needed) and megatron's parallel_state.
 
@@ -57,7 +71,6 @@ def init_parallel(*, tp: int = 1, ep: int = 1, pp: int = 1, seed: int = 1234) ->
     Returns:
         The rank's `ParallelInfo`.
     """
-    from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     cpu = apply_cpu_shim()
@@ -69,14 +82,7 @@ def init_parallel(*, tp: int = 1, ep: int = 1, pp: int = 1, seed: int = 1234) ->
     world = dist.get_world_size()
     if world % (tp * pp) or world % ep:
         raise ValueError(f"world size {world} not divisible by tp*pp={tp * pp} / ep={ep}")
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=1,
-    )
+    init_model_parallel(tp, ep, pp)
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
     info = current_parallel_info()
