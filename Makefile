@@ -10,10 +10,10 @@ NPROC   ?= 2
 
 .PHONY: demo test bench venv clean
 
-$(STAMP): setup.py
+$(STAMP): setup.py constraints/ci.txt
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install --quiet --upgrade pip
-	$(VPY) -m pip install --quiet -e ".[test]"
+	$(VPY) -m pip install --quiet -c constraints/ci.txt -e ".[test]"
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -1,16 +1,15 @@
-"""megatron-pdm: Predictive Divergence Masks for Megatron-core RL, with an SGLang top-K bridge."""
+"""megatron-pdm: Predictive Divergence Masks for Megatron-core RL, with SGLang/vLLM top-K bridges."""
 
-from setuptools import find_packages, setup
+from setuptools import find_namespace_packages, setup
 
-# Pins are deliberate:
-# - torch 2.13.0 is the CPU build CI runs on (GPU clusters bring their own CUDA torch build;
-#   install with `pip install --no-deps -e .` there, or relax via the [gpu] extra's environment).
-# - megatron-core 0.16.1 is the newest wheel for Python 3.11 and is what CI tests. The code also
-#   follows the 0.19.x API (the range below); 0.17+ declares Python >= 3.12.
+# Supported ranges (what a cluster user installs against). CI and the demo install one exact,
+# tested point of these ranges from constraints/ci.txt (torch 2.13.0 CPU, megatron-core 0.16.1,
+# the newest megatron-core wheel for Python 3.11). megatron-core 0.17+ require Python >= 3.12;
+# 0.19.2, the newest release, is checked by scripts/check_mcore_latest.sh (README, "Packaging").
 INSTALL_REQUIRES = [
-    "torch==2.13.0",
+    "torch>=2.6,<3",
     "megatron-core>=0.16.1,<0.20",
-    "psutil>=5.9",  # megatron-core dist-checkpointing needs it
+    "psutil>=5.9",  # megatron-core dist-checkpointing needs it and does not declare it
     "numpy>=1.26",
     "pyyaml>=6.0",
     "orjson>=3.10",
@@ -20,32 +19,31 @@ INSTALL_REQUIRES = [
     "matplotlib>=3.8",
     "tensorboard>=2.16",
     "safetensors>=0.4",
+    "transformers>=5.0,<6",  # HF config/tokenizer in conversion, verification and the jsonl task
 ]
 
 EXTRAS = {
     "test": [
         "pytest>=8.0",
         "hypothesis>=6.100",
-        "transformers>=5.0,<6",
     ],
     # GPU-only packages: never imported on the CPU path.
     "gpu": [
         "transformer-engine[pytorch]>=2.8",
-        "sglang>=0.5.20",
     ],
 }
 
 setup(
     name="megatron-pdm",
-    version="0.1.0",
+    version="0.2.0",
     description="Predictive Divergence Masks (PDM), DPPO, DRPO and GRPO trust regions as one "
-    "vocab-parallel op for Megatron-core RL, with an SGLang top-K rollout bridge.",
-    packages=find_packages(
+    "vocab-parallel op for Megatron-core RL, with SGLang and vLLM top-K rollout bridges.",
+    packages=find_namespace_packages(
         include=["megatron_pdm", "megatron_pdm.*", "rollout_bridge", "rollout_bridge.*"]
     ),
     python_requires=">=3.11",
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,
     include_package_data=True,
-    package_data={"megatron_pdm": ["configs/*.yaml"]},
+    package_data={"megatron_pdm.configs": ["*.yaml"]},
 )

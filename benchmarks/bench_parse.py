@@ -1,6 +1,7 @@
 """Benchmark: SGLang top-K responses (K=20, 8k tokens) -> rollout samples.
 
-Compares, in one run on the same synthetic but realistically shaped bodies (ecosystem.md §(c)):
+Compares, in one run on the same synthetic but realistically shaped bodies (the SGLang
+response shapes of docs/engines.md):
   floor     one orjson.loads of the nested /generate body with the cyclic GC paused (any JSON
             path pays this); also shown with the GC running
   ours-json rollout_bridge.parse_generate_response (orjson + C-level flattening + numpy)
@@ -28,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from rollout_bridge import parse_generate_response, parse_scoring_response  # noqa: E402
-from rollout_bridge.parse import gc_paused  # noqa: E402
+from rollout_bridge.decode import gc_paused  # noqa: E402
 
 
 def make_bodies(t: int, k: int, vocab: int = 151936, prompt_len: int = 512, seed: int = 0):
@@ -112,16 +113,16 @@ def main() -> None:
 
     def ours_b64():
         # as SGLangEngine does: the folded support is validated once, by the scoring parse
-        (s,) = parse_generate_response(gen0, top_k=0, vocab_size=151936, validate=False)
+        (s,) = parse_generate_response(gen0, top_logprobs=0, vocab_size=151936, validate=False)
         s.prompt_ids = torch.as_tensor(prompt)
         return parse_scoring_response(scoring, [s], k, 151936)
 
     # Both paths must agree on the support before timing anything.
-    a = parse_generate_response(nested, top_k=k, vocab_size=151936)[0]
+    a = parse_generate_response(nested, top_logprobs=k, vocab_size=151936)[0]
     b = ours_b64()[0]
     assert torch.equal(a.support_ids, b.support_ids) and torch.equal(a.support_valid,
                                                                      b.support_valid)
-    c = parse_generate_response(flat_out, top_k=k, vocab_size=151936)[0]
+    c = parse_generate_response(flat_out, top_logprobs=k, vocab_size=151936)[0]
     assert all(torch.equal(getattr(a, n), getattr(c, n))
                for n in ("support_ids", "support_logprobs", "support_valid"))
     def floor_paused():
@@ -133,10 +134,11 @@ def main() -> None:
         ("one orjson.loads with the GC running (for reference)", lambda: orjson.loads(nested),
          len(nested)),
         ("ours, JSON path (parse_generate_response)",
-         lambda: parse_generate_response(nested, top_k=k, vocab_size=151936), len(nested)),
+         lambda: parse_generate_response(nested, top_logprobs=k, vocab_size=151936), len(nested)),
         ("baseline: stdlib json + Python loops", lambda: baseline(nested, k), len(nested)),
         ("ours, binary: output-side flat b64 (one /generate, `flat_b64`)",
-         lambda: parse_generate_response(flat_out, top_k=k, vocab_size=151936), len(flat_out)),
+         lambda: parse_generate_response(flat_out, top_logprobs=k, vocab_size=151936),
+         len(flat_out)),
         ("ours, binary: K=0 gen body + b64 scoring body (`scoring_b64`)", ours_b64,
          len(gen0) + len(scoring)),
     ]

@@ -88,7 +88,8 @@ def fp8_slice(layers: int, seq_len: int, recipe: str) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_pdm.megatron.model import Qwen3MoeArch, build_model, transformer_config
+    from megatron_pdm.arch import Qwen3MoeArch
+    from megatron_pdm.mcore.model import build_model, transformer_config
 
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

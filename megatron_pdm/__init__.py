@@ -7,18 +7,36 @@ Public API (never imports megatron):
     cfg   = PolicyLossConfig.preset("pdm-agg")
     out   = policy_loss(stats, advantages, behavior_logprob, loss_mask, cfg, seq_ids=None)
     loss_sum, num_tokens, metrics = out
+
+The names are resolved lazily (PEP 562): `import megatron_pdm.ops` loads the math layer only, not
+the parallel op or the loss. Modules inside the package import each other by module path, never
+through this face (tests/unit/test_import_boundaries.py).
 """
 
-from megatron_pdm.config import PRESETS, PolicyLossConfig
-from megatron_pdm.loss.policy_loss import PolicyLossOutput, policy_loss
-from megatron_pdm.ops.stats import TokenStats
-from megatron_pdm.parallel.vocab_parallel import token_stats
+from __future__ import annotations
 
-__all__ = [
-    "PRESETS",
-    "PolicyLossConfig",
-    "PolicyLossOutput",
-    "TokenStats",
-    "policy_loss",
-    "token_stats",
-]
+import importlib
+
+_EXPORTS = {
+    "PRESETS": "megatron_pdm.config",
+    "PolicyLossConfig": "megatron_pdm.config",
+    "PolicyLossOutput": "megatron_pdm.loss.policy_loss",
+    "policy_loss": "megatron_pdm.loss.policy_loss",
+    "TokenStats": "megatron_pdm.ops.stats",
+    "token_stats": "megatron_pdm.parallel.vocab_parallel",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'megatron_pdm' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

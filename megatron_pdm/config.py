@@ -1,7 +1,7 @@
 """PolicyLossConfig: the trust-region family as three independent axes plus aggregation.
 
 GRPO clip-higher, DPPO (4 variants), PDM (3 tail estimators + a TV version) and DRPO differ only
-in (algorithms.md §2-§4):
+in (docs/math.md §2-§4):
 
     proximity   which divergence D is compared with delta(sign A)
     direction   how "moving away" is decided: sign(A (r - 1)) or sign(A * Ddot) (predictive)
@@ -10,8 +10,10 @@ in (algorithms.md §2-§4):
 so one dataclass describes all of them and `policy_loss` has no per-method branches. Presets
 reproduce the papers' defaults; each preset's docstring entry in PRESETS names its source.
 
-Config is plain data: `from_yaml` reads only these keys (unknown keys are an error), `to_dict`
-gives the resolved values for logging, and `with_overrides` applies dotted CLI overrides.
+Config is plain data parsed by `megatron_pdm.configtree` (the same parser as the run config):
+values are converted by field type (`ratio_cap: inf`, `noise_floor: 1e-3`), unknown keys are an
+error listing the valid ones, `to_dict` gives the resolved values (with the preset name first) and
+`with_overrides` applies dotted CLI overrides.
 """
 
 from __future__ import annotations
@@ -20,38 +22,53 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
-__all__ = ["PolicyLossConfig", "PRESETS", "PROXIMITIES", "DIRECTIONS", "SHAPINGS", "AGGREGATIONS"]
+from megatron_pdm.configtree import (
+    ConfigError,
+    apply_override,
+    check_fields,
+    from_mapping,
+    to_plain,
+)
 
-PROXIMITIES = ("ratio", "binary_tv", "binary_kl", "topk_tv", "topk_kl", "none")
-DIRECTIONS = ("ratio", "predictive")
-TAILS = ("aggregated", "uniform", "exact")
-SHAPINGS = ("mask", "drpo")
-AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+__all__ = ["PolicyLossConfig", "PRESETS", "Proximity", "Direction", "Tail", "Shaping",
+           "Aggregation"]
+
+Proximity = Literal["ratio", "binary_tv", "binary_kl", "topk_tv", "topk_kl", "none"]
+Direction = Literal["ratio", "predictive"]
+Tail = Literal["aggregated", "uniform", "exact"]
+Shaping = Literal["mask", "drpo"]
+Aggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 
 
 @dataclass(kw_only=True)
 class PolicyLossConfig:
     """One member of the trust-region family. See the module docstring and PRESETS."""
 
-    proximity: str = "topk_kl"
+    _config_aliases = ("preset",)
+
+    name: str | None = None
+    """The preset this config started from (informational; None when built field by field).
+    In yaml and overrides it is spelt `preset:`, which also loads the preset's values."""
+
+    proximity: Proximity = "topk_kl"
     """Divergence D for the proximity test: "ratio" (|r - 1|, PPO/GRPO clip with delta_low/high
     as eps_low/high), "binary_tv" |pi_k - mu_k|, "binary_kl", "topk_tv", "topk_kl" (§2.3), or
     "none" (D = 0: never out of region)."""
 
-    direction: str = "predictive"
+    direction: Direction = "predictive"
     """"ratio": moving away iff A (r - 1) > 0 (PPO/DPPO); "predictive": iff A * Ddot > 0 with
     Ddot the first-order change of D along the token's step (PDM, §3.2; TV ties per §3.6)."""
 
-    tail: str = "aggregated"
+    tail: Tail = "aggregated"
     """Tail estimator of the predictive direction: "aggregated" | "uniform" (PDM paper) |
     "exact" (exact derivative of D_K / exact P2 for TV, §7.1, §3.6). Also used for the
     direction-disagreement metric when direction == "ratio"."""
 
-    shaping: str = "mask"
+    shaping: Shaping = "mask"
     """"mask": coeff = A * min(r, C) * M; "drpo": coeff = A * min(r, C) * w with
     w = 1 - s * D / delta(sign A), s = +1 moving away / -1 moving back (§4.2)."""
 
@@ -72,7 +89,7 @@ class PolicyLossConfig:
     whose |Ddot - local| is below (interval width + c_rel * sum_S mu_i pi_i) use the ratio
     direction instead. None (default) disables it; ~1e-3 suits bf16 engines."""
 
-    aggregation: str = "token-mean"
+    aggregation: Aggregation = "token-mean"
     """"token-mean": (sum loss, #loss tokens); "seq-mean-token-sum": (sum loss, #sequences);
     "seq-mean-token-sum-norm": (sum loss / loss_horizon, #sequences)."""
 
@@ -80,33 +97,25 @@ class PolicyLossConfig:
     """Constant divisor for "seq-mean-token-sum-norm" (e.g. the max response length)."""
 
     def __post_init__(self) -> None:
-        for name, allowed in (
-            ("proximity", PROXIMITIES),
-            ("direction", DIRECTIONS),
-            ("tail", TAILS),
-            ("shaping", SHAPINGS),
-            ("aggregation", AGGREGATIONS),
-        ):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        check_fields(self)
         if self.direction == "predictive" and self.proximity in ("ratio", "none"):
-            raise ValueError(
+            raise ConfigError(
                 f"direction='predictive' needs a divergence proximity, got {self.proximity!r}"
             )
         if self.shaping == "drpo" and self.proximity == "none":
-            raise ValueError("shaping='drpo' needs a proximity divergence (DRPO: 'binary_tv')")
+            raise ConfigError("shaping='drpo' needs a proximity divergence (DRPO: 'binary_tv')")
         for name in ("delta_low", "delta_high", "ratio_cap", "log_ratio_clamp"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{name} must be > 0, got {value!r}")
+            if not value > 0:
+                raise ConfigError(f"{name} must be > 0, got {value!r}")
         if self.noise_floor is not None:
             if self.noise_floor < 0:
-                raise ValueError(f"noise_floor must be >= 0, got {self.noise_floor}")
+                raise ConfigError(f"noise_floor must be >= 0, got {self.noise_floor}")
             if self.direction != "predictive" or self.divergence_kind != "kl":
-                raise ValueError("noise_floor applies to the predictive KL direction only")
+                raise ConfigError("noise_floor applies to the predictive KL direction only")
         if self.aggregation == "seq-mean-token-sum-norm":
             if self.loss_horizon is None or self.loss_horizon <= 0:
-                raise ValueError("seq-mean-token-sum-norm needs loss_horizon > 0")
+                raise ConfigError("seq-mean-token-sum-norm needs loss_horizon > 0")
 
     @property
     def divergence_kind(self) -> str:
@@ -114,62 +123,86 @@ class PolicyLossConfig:
         return "tv" if self.proximity in ("binary_tv", "topk_tv") else "kl"
 
     @classmethod
-    def preset(cls, name: str, **overrides: Any) -> "PolicyLossConfig":
+    def preset(cls, name: str, **overrides: Any) -> PolicyLossConfig:
         """A preset by name (see PRESETS), with optional keyword overrides."""
         if name not in PRESETS:
-            raise ValueError(f"unknown preset {name!r}; available: {sorted(PRESETS)}")
-        return cls(**{**PRESETS[name], **overrides})
+            raise ConfigError(f"unknown preset {name!r}; available: {sorted(PRESETS)}")
+        return cls(**{"name": name, **PRESETS[name], **overrides})
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "PolicyLossConfig":
-        """From a flat dict; an optional "preset" key gives the base values."""
-        data = dict(data)
-        base = data.pop("preset", None)
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ValueError(f"unknown PolicyLossConfig keys: {unknown}")
-        if "ratio_cap" in data and isinstance(data["ratio_cap"], str):
-            data["ratio_cap"] = float(data["ratio_cap"])
-        return cls.preset(base, **data) if base is not None else cls(**data)
+    def _from_mapping(cls, data: dict[str, Any], path: str) -> dict[str, Any]:
+        """configtree hook: `preset: NAME` loads the preset's values under the given keys."""
+        name = data.pop("preset", None)
+        if name is None:
+            return data
+        if name not in PRESETS:
+            where = f"{path}.preset" if path else "preset"
+            raise ConfigError(f"{where}={name!r}: unknown preset; available: {sorted(PRESETS)}")
+        return {"name": name, **PRESETS[name], **data}
+
+    def _to_mapping(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"preset": self.name}
+        out.update((f.name, getattr(self, f.name)) for f in dataclasses.fields(self)
+                   if f.name != "name")
+        return out
 
     @classmethod
-    def from_yaml(cls, path: str | Path) -> "PolicyLossConfig":
+    def from_dict(cls, data: dict[str, Any], path: str = "loss") -> PolicyLossConfig:
+        """From a flat mapping; an optional "preset" key gives the base values. Values are
+        converted by field type ("inf", "1e-3"); unknown keys raise with the valid ones listed."""
+        return from_mapping(cls, data, path)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> PolicyLossConfig:
         """Reads a yaml mapping of these fields (optionally `preset: name`). Unknown keys raise."""
         data = yaml.safe_load(Path(path).read_text()) or {}
         if not isinstance(data, dict):
-            raise ValueError(f"{path}: expected a mapping at top level")
-        return cls.from_dict(data)
+            raise ConfigError(f"{path}: expected a mapping at top level")
+        return cls.from_dict(data, path="")
 
     def to_dict(self) -> dict[str, Any]:
-        """Resolved values (yaml-safe: inf is written as the string "inf")."""
-        out = dataclasses.asdict(self)
-        if math.isinf(out["ratio_cap"]):
-            out["ratio_cap"] = "inf"
-        return out
+        """Resolved values, `preset` first (yaml writes inf as .inf, which loads back)."""
+        return to_plain(self)
 
-    def with_overrides(self, overrides: dict[str, Any] | list[str]) -> "PolicyLossConfig":
+    def with_overrides(self, overrides: dict[str, Any] | list[str]) -> PolicyLossConfig:
         """A copy with overrides applied.
 
         Args:
             overrides: {"delta_high": 0.2} or CLI strings ["delta_high=0.2"]; keys may carry a
-                dotted "policy_loss." prefix. String values are parsed as yaml scalars.
+                "loss." (or "policy_loss.") prefix. String values are parsed as yaml scalars and
+                converted by field type. `preset` may not be overridden here (it would discard
+                the other fields); build a new config with `preset()` instead.
         """
-        if isinstance(overrides, (list, tuple)):
-            pairs = {}
-            for item in overrides:
-                if "=" not in item:
-                    raise ValueError(f"override {item!r} is not key=value")
-                key, value = item.split("=", 1)
-                pairs[key.strip()] = value
-            overrides = pairs
         data = self.to_dict()
-        for key, value in overrides.items():
-            field = key.split(".", 1)[1] if key.startswith("policy_loss.") else key
-            if field not in data:
-                raise ValueError(f"unknown PolicyLossConfig key {key!r}")
-            data[field] = yaml.safe_load(value) if isinstance(value, str) else value
-        return PolicyLossConfig.from_dict(data)
+        data["name"] = data.pop("preset")
+        if isinstance(overrides, dict):
+            items = [(str(k), v) for k, v in overrides.items()]
+        else:
+            items = []
+            for item in overrides:
+                tree: dict = {}
+                apply_override(tree, item)
+                ((key, value),) = _flatten(tree)
+                items.append((key, value))
+        for key, value in items:
+            for prefix in ("loss.", "policy_loss."):
+                if key.startswith(prefix):
+                    key = key[len(prefix):]
+            if key == "preset":
+                raise ConfigError("with_overrides cannot change the preset; use "
+                                  "PolicyLossConfig.preset(name, **overrides)")
+            data[key] = value
+        return from_mapping(PolicyLossConfig, data, "loss")
+
+
+def _flatten(tree: dict, prefix: str = "") -> list[tuple[str, Any]]:
+    out = []
+    for k, v in tree.items():
+        if isinstance(v, dict) and v:
+            out.extend(_flatten(v, f"{prefix}{k}."))
+        else:
+            out.append((prefix + k, v))
+    return out
 
 
 PRESETS: dict[str, dict[str, Any]] = {

@@ -1,6 +1,6 @@
 """Parallel-layout validation and a per-GPU memory estimate, without allocating anything.
 
-Pure python (no torch.distributed, no model): the training driver's `--dry-run` calls
+Pure python (no torch, no model): the training driver's `--dry-run` calls
 `validate_layout` and `estimate_memory`, prints `format_report`, and exits before building the
 model, so a bad layout for a 48-layer, 128-expert model is refused in a second on a login node.
 
@@ -10,13 +10,16 @@ Layout rules checked (megatron-core's, for a MoE GPT with expert tensor parallel
 - the expert grid fits the dense one: EP*ETP divides TP*CP*DP (expert-DP = TP*CP*DP/(EP*ETP));
   expert FFN width divisible by ETP;
 - MoE with TP > 1 needs sequence parallelism (megatron raises otherwise during training).
-The vocabulary padding (next multiple of make_vocab_size_divisible_by * TP) is reported.
+The vocabulary padding (`Qwen3MoeArch.padded_vocab`) is reported; the smallest world for a
+layout is `arch.min_world_size`.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
+
+from megatron_pdm.arch import Qwen3MoeArch
+from megatron_pdm.configtree import ConfigError
 
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 GIB = 2**30
@@ -40,13 +43,8 @@ class Layout:
         return self.tp * self.cp * self.dp // (self.ep * self.etp)
 
 
-def padded_vocab(vocab_size: int, divisible_by: int, tp: int) -> int:
-    multiple = divisible_by * tp
-    return -(-vocab_size // multiple) * multiple
-
-
 def validate_layout(
-    arch,
+    arch: Qwen3MoeArch,
     *,
     world_size: int,
     tp: int,
@@ -58,7 +56,7 @@ def validate_layout(
 ) -> Layout:
     """Check a layout for `arch` (a Qwen3MoeArch or anything with its fields).
 
-    Raises ValueError listing every problem; returns the Layout (with DP derived) otherwise.
+    Raises ConfigError listing every problem; returns the Layout (with DP derived) otherwise.
     """
     if sequence_parallel is None:
         sequence_parallel = tp > 1
@@ -69,7 +67,7 @@ def validate_layout(
         if not isinstance(v, int) or v < 1
     ]
     if problems:
-        raise ValueError("invalid parallel layout:\n  " + "\n  ".join(problems))
+        raise ConfigError("invalid parallel layout:\n  " + "\n  ".join(problems))
     dp = world_size // (tp * pp * cp)
     if world_size % (tp * pp * cp):
         problems.append(f"world_size={world_size} is not divisible by TP*PP*CP={tp * pp * cp}")
@@ -98,8 +96,8 @@ def validate_layout(
     if sequence_parallel and tp == 1:
         problems.append("sequence_parallel=True needs TP > 1")
     if problems:
-        raise ValueError("invalid parallel layout:\n  " + "\n  ".join(problems))
-    vpad = padded_vocab(arch.vocab_size, arch.make_vocab_size_divisible_by, tp)
+        raise ConfigError("invalid parallel layout:\n  " + "\n  ".join(problems))
+    vpad = arch.padded_vocab(tp)
     notes = (
         f"vocab {arch.vocab_size} padded to {vpad} (multiple of "
         f"{arch.make_vocab_size_divisible_by}*TP={arch.make_vocab_size_divisible_by * tp}; "
@@ -244,12 +242,3 @@ def format_report(
         verdict = "fits" if estimate.total / GIB < gpu_memory_gib else "DOES NOT FIT"
         lines.append(f"  {verdict} in {gpu_memory_gib:.0f} GiB per GPU")
     return "\n".join(lines)
-
-
-def world_size_of(nnodes: int, gpus_per_node: int) -> int:
-    return nnodes * gpus_per_node
-
-
-def min_world_size(tp: int, pp: int, ep: int, cp: int = 1, etp: int = 1) -> int:
-    """Smallest world for which the layout can be valid."""
-    return pp * math.lcm(tp * cp, ep * etp)

@@ -36,6 +36,26 @@ ABS_LOGPROB_DIFF = "mismatch/abs_logprob_diff"
 """Mean |log pi_k - log mu_k| over loss tokens."""
 LOSS_PG = "loss/pg"
 """Policy-gradient surrogate: sum of per-token losses and the number of loss tokens."""
+TOKENS_LOSS = "tokens/loss"
+"""Loss rows of a micro-batch (the Megatron adapter adds it)."""
+SFT_LOSS = "sft/loss"
+"""Cross-entropy of the supervised warm-up on answer rows."""
+
+# Driver rows (one per optimizer step in metrics.jsonl; not [sum, count] pairs).
+STEP = "step"
+ITERATION = "iteration"
+MINIBATCH = "minibatch"
+LR = "lr"
+GRAD_NORM = "grad_norm"
+REWARD_MEAN = "reward/mean"
+"""Mean reward of the iteration's rollouts (sampled at the rollout temperature)."""
+REWARD_FRAC_SOLVED_GROUPS = "reward/frac_solved_groups"
+"""Fraction of GRPO groups with at least one rewarded sample."""
+RESPONSE_LEN = "rollout/response_len"
+WEIGHT_VERSION = "rollout/weight_version"
+TIME_ROLLOUT = "time/rollout_s"
+TIME_TRAIN_STEP = "time/train_step_s"
+TIME_WEIGHT_SYNC = "time/weight_sync_s"
 
 ALL_KEYS = (
     MASKED_FRAC, MASKED_FRAC_POS_ADV, MASKED_FRAC_NEG_ADV, OUT_OF_REGION_FRAC,

@@ -1,48 +1,57 @@
-"""rollout_bridge: rollouts with behavior-policy top-K support, from SGLang or in-process.
+"""rollout_bridge: rollouts with behaviour-policy top-K support, from SGLang or in-process.
 
 Public API (README, "Rollout bridge")::
 
     from rollout_bridge import SGLangEngine, LocalEngine, parse_generate_response
-    samples = parse_generate_response(body, top_k=20, vocab_size=None)
-    engine = SGLangEngine("http://127.0.0.1:30000", top_k=20, timeout_s=60, max_retries=3)
+    samples = parse_generate_response(body, top_logprobs=20, vocab_size=None)
+    engine = SGLangEngine("http://127.0.0.1:30000", top_logprobs=20, vocab_size=151936)
     batch = engine.generate(prompt_ids, {"temperature": 1.0, "max_new_tokens": 256}, n=8)
     packed = pack_thd(batch, advantages=group_advantages(batch))
 
-Never imports megatron or megatron_pdm (tests/unit/test_import_boundaries.py).
+Names resolve lazily (PEP 562), so `import rollout_bridge.types` does not load the HTTP client.
+The bridge depends on `megatron_pdm.ops.support` (the support contract) and nothing else of
+megatron_pdm; never on megatron (tests/unit/test_import_boundaries.py).
 """
 
-from rollout_bridge import types as errors
-from rollout_bridge.engine import RolloutEngine, check_sampling_params
-from rollout_bridge.local_engine import LocalEngine
-from rollout_bridge.packing import pack_padded, pack_thd
-from rollout_bridge.parse import (
-    MalformedResponseError,
-    fold_support,
-    parse_generate_response,
-    parse_scoring_response,
-    validate_support,
-)
-from rollout_bridge.sglang_client import SGLangEngine
-from rollout_bridge.types import (
-    EngineMismatchError,
-    PackedBatch,
-    RolloutBatch,
-    RolloutFailedError,
-    RolloutFailure,
-    RolloutSample,
-    RolloutValidationError,
-    SamplingParamsError,
-    StaleRolloutError,
-    WeightSyncError,
-    check_weight_version,
-    group_advantages,
-)
+from __future__ import annotations
 
-__all__ = [
-    "EngineMismatchError", "LocalEngine", "MalformedResponseError", "PackedBatch",
-    "RolloutBatch", "RolloutEngine", "RolloutFailedError", "RolloutFailure", "RolloutSample",
-    "RolloutValidationError", "SGLangEngine", "SamplingParamsError", "StaleRolloutError",
-    "WeightSyncError", "check_sampling_params", "check_weight_version", "errors",
-    "fold_support", "group_advantages", "pack_padded", "pack_thd", "parse_generate_response",
-    "parse_scoring_response", "validate_support",
-]
+import importlib
+
+_EXPORTS = {
+    "RolloutEngine": "rollout_bridge.engine",
+    "check_sampling_params": "rollout_bridge.engine",
+    "LocalEngine": "rollout_bridge.local_engine",
+    "pack_padded": "rollout_bridge.packing",
+    "pack_thd": "rollout_bridge.packing",
+    "MalformedResponseError": "rollout_bridge.decode",
+    "parse_generate_response": "rollout_bridge.parse",
+    "parse_scoring_response": "rollout_bridge.parse_flat",
+    "SGLangEngine": "rollout_bridge.sglang_client",
+    "EngineMismatchError": "rollout_bridge.types",
+    "PackedBatch": "rollout_bridge.types",
+    "RolloutBatch": "rollout_bridge.types",
+    "RolloutFailedError": "rollout_bridge.types",
+    "RolloutFailure": "rollout_bridge.types",
+    "RolloutSample": "rollout_bridge.types",
+    "RolloutValidationError": "rollout_bridge.types",
+    "SamplingParamsError": "rollout_bridge.types",
+    "StaleRolloutError": "rollout_bridge.types",
+    "WeightSyncError": "rollout_bridge.types",
+    "check_weight_version": "rollout_bridge.types",
+    "group_advantages": "rollout_bridge.types",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'rollout_bridge' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

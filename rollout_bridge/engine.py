@@ -33,11 +33,11 @@ class RolloutEngine(Protocol):
 
     Attributes:
         vocab_size: The engine's real vocabulary (ids >= vocab_size never occur).
-        top_k: K of the returned support (S = K + 1).
+        top_logprobs: K of the returned support (S = K + 1).
     """
 
-    vocab_size: int
-    top_k: int
+    vocab_size: int | None
+    top_logprobs: int
 
     def generate(self, prompt_ids: list[list[int]], sampling_params: dict,
                  n: int = 1) -> RolloutBatch:
@@ -58,7 +58,7 @@ def check_sampling_params(params: dict, allow_truncated_sampling: bool = False) 
 
     SGLang (and `LocalEngine`) return `log_softmax(logits / temperature)` before top-k / top-p /
     min-p truncation, so with truncation the true behavior policy is the truncated, renormalized
-    distribution and the returned top-K is wrong for it (ecosystem.md §4.2).
+    distribution and the returned top-K is wrong for it (docs/engines.md, SGLang).
 
     Args:
         params: SGLang-style sampling params.
@@ -96,18 +96,21 @@ def check_sampling_params(params: dict, allow_truncated_sampling: bool = False) 
 
 
 def assemble_batch(outcomes: dict[tuple[int, int], RolloutSample | RolloutFailure],
-                   num_prompts: int, n: int, *, temperature: float, top_k: int,
+                   num_prompts: int, n: int, *, temperature: float, top_logprobs: int,
                    prompt_ids: list[list[int]], default_version: str | None,
-                   raise_on_failure: bool = False) -> RolloutBatch:
+                   raise_on_failure: bool = False, vocab_size: int | None = None,
+                   validated: bool = False) -> RolloutBatch:
     """Builds a `RolloutBatch` from one outcome per (prompt_index, sample_index).
 
     Args:
         outcomes: Exactly one entry per requested pair.
         num_prompts, n: The request shape.
-        temperature, top_k: Recorded on the batch.
+        temperature, top_logprobs: Recorded on the batch.
         prompt_ids: Prompts, copied into each sample.
         default_version: Version used for samples lacking `meta_info["weight_version"]`.
         raise_on_failure: Raise `RolloutFailedError` if any failure is present.
+        vocab_size: The engine's vocabulary, recorded on the batch.
+        validated: Whether every sample's support was checked when parsed/produced.
 
     Returns:
         The batch; samples and failures ordered by (prompt_index, sample_index).
@@ -141,7 +144,8 @@ def assemble_batch(outcomes: dict[tuple[int, int], RolloutSample | RolloutFailur
     if failures:
         logger.warning("%d of %d requested samples failed", len(failures), num_prompts * n)
     batch = RolloutBatch(samples=samples, temperature=temperature, weight_version=version,
-                         top_k=top_k, failures=failures, n=n, num_prompts=num_prompts)
+                         top_logprobs=top_logprobs, failures=failures, n=n,
+                         num_prompts=num_prompts, vocab_size=vocab_size, validated=validated)
     if raise_on_failure and failures:
         raise RolloutFailedError(failures)
     return batch

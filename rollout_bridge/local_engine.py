@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from rollout_bridge.engine import assemble_batch, check_sampling_params
-from rollout_bridge.parse import fold_support, validate_support
+from rollout_bridge.decode import folded_support
 from rollout_bridge.types import RolloutBatch, RolloutSample
 from rollout_bridge.weights import apply_rollout_precision, load_safetensors_dir
 
@@ -85,7 +85,7 @@ class LocalEngine:
             logits). The engine owns it: `update_weights` overwrites its parameters, so pass a
             copy of the trainer's module (see `from_policy`).
         vocab_size: Real vocabulary; logits at ids >= vocab_size are dropped.
-        top_k: K of the support.
+        top_logprobs: K of the support.
         seed: Sampling seed (combined with a per-call counter).
         rollout_precision: None, "bf16" or "fp8" (applied to the weights).
         eos_token_id: Stops a response (finish_reason "stop") unless `ignore_eos`.
@@ -99,16 +99,16 @@ class LocalEngine:
     """
 
     def __init__(self, model: Callable[[torch.Tensor], torch.Tensor], *, vocab_size: int,
-                 top_k: int, seed: int = 0, rollout_precision: str | None = None,
+                 top_logprobs: int, seed: int = 0, rollout_precision: str | None = None,
                  eos_token_id: int | None = None, pad_token_id: int = 0,
                  fp8_block_size: int | None = 128, precision_skip: Iterable[str] = (),
                  allow_truncated_sampling: bool = False, max_batch_size: int = 64,
                  weight_version: str = "0", validate: bool = True):
         self.model = model
         self.vocab_size = int(vocab_size)
-        self.top_k = int(top_k)
-        if not 0 <= self.top_k <= self.vocab_size:
-            raise ValueError(f"top_k={top_k} outside [0, vocab_size={vocab_size}]")
+        self.top_logprobs = int(top_logprobs)
+        if not 0 <= self.top_logprobs <= self.vocab_size:
+            raise ValueError(f"top_logprobs={top_logprobs} outside [0, vocab_size={vocab_size}]")
         self.seed = int(seed)
         self.rollout_precision = rollout_precision
         self.eos_token_id = eos_token_id
@@ -269,8 +269,9 @@ class LocalEngine:
                     gen, params if truncated else None)):
                 outcomes[key] = sample
         return assemble_batch(outcomes, len(prompt_ids), n, temperature=temperature,
-                              top_k=self.top_k, prompt_ids=prompt_ids,
-                              default_version=self._version, raise_on_failure=raise_on_failure)
+                              top_logprobs=self.top_logprobs, prompt_ids=prompt_ids,
+                              default_version=self._version, raise_on_failure=raise_on_failure,
+                              vocab_size=self.vocab_size, validated=self.validate)
 
     def _generate_chunk(self, prompts: list[list[int]], temperature: float, max_new: int,
                         stop_ids: set[int], gen: torch.Generator,
@@ -297,15 +298,15 @@ class LocalEngine:
             else:
                 tok_a = torch.argmax(sample_lp_av, dim=-1)
             tok_lp_a = lp_av.gather(1, tok_a[:, None])[:, 0]
-            if self.top_k > 0:
-                tv_ak, ti_ak = torch.topk(lp_av, self.top_k, dim=-1)
+            if self.top_logprobs > 0:
+                tv_ak, ti_ak = torch.topk(lp_av, self.top_logprobs, dim=-1)
             still = []
             for r, i in enumerate(active):
                 tok = int(tok_a[r])
                 seqs[i].append(tok)
                 sampled[i].append(tok)
                 sampled_lp[i].append(float(tok_lp_a[r]))
-                if self.top_k > 0:
+                if self.top_logprobs > 0:
                     top_ids[i].append(ti_ak[r])
                     top_lp[i].append(tv_ak[r])
                 if tok in stop_ids:
@@ -318,16 +319,15 @@ class LocalEngine:
             t = len(sampled[i])
             ids_t = np.asarray(sampled[i], dtype=np.int64)
             lp_t = np.asarray(sampled_lp[i], dtype=np.float64)
-            if self.top_k > 0 and t:
+            if self.top_logprobs > 0 and t:
                 ids_tk = torch.stack(top_ids[i]).numpy().astype(np.int64)
                 lp_tk = torch.stack(top_lp[i]).numpy().astype(np.float64)
             else:
-                ids_tk = np.zeros((t, self.top_k), dtype=np.int64)
-                lp_tk = np.zeros((t, self.top_k))
-            ids_ts, lp_ts, valid_ts, n_in = fold_support(
-                ids_tk, lp_tk, np.ones_like(ids_tk, dtype=bool), ids_t, lp_t)
-            if self.validate:
-                validate_support(ids_ts, lp_ts, valid_ts, ids_t, lp_t, self.vocab_size, i)
+                ids_tk = np.zeros((t, self.top_logprobs), dtype=np.int64)
+                lp_tk = np.zeros((t, self.top_logprobs))
+            ids_ts, lp_ts, valid_ts, n_in = folded_support(
+                ids_tk, lp_tk, np.ones_like(ids_tk, dtype=bool), ids_t, lp_t, self.vocab_size, i,
+                self.validate)
             out.append(RolloutSample(
                 prompt_ids=torch.as_tensor(prompts[i], dtype=torch.int64),
                 response_ids=torch.from_numpy(ids_t),

@@ -89,11 +89,17 @@ def _write(f: dict[str, torch.Tensor], row: int, off: int, sample: RolloutSample
     f["advantages"][row, rows] = torch.where(mask_t, torch.tensor(adv, dtype=torch.float32), 0.0)
 
 
+def _facts(batch: RolloutBatch) -> dict:
+    """What the rollout fixed and the loss must use: carried on the batch, nowhere else."""
+    return {"temperature": batch.temperature, "weight_version": batch.weight_version,
+            "vocab_size": batch.vocab_size, "validated": batch.validated}
+
+
 def _support_width(batch: RolloutBatch) -> int:
     widths = {int(s.support_ids.shape[1]) for s in batch.samples}
     if len(widths) > 1:
         raise ValueError(f"samples have different support widths {sorted(widths)}")
-    return widths.pop() if widths else batch.top_k + 1
+    return widths.pop() if widths else batch.top_logprobs + 1
 
 
 def pack_padded(batch: RolloutBatch, advantages: Sequence[float] | torch.Tensor | None = None,
@@ -115,7 +121,7 @@ def pack_padded(batch: RolloutBatch, advantages: Sequence[float] | torch.Tensor 
     f = _empty(len(batch.samples), width, _support_width(batch), pad_id)
     for i, (sample, (p, t)) in enumerate(zip(batch.samples, lens)):
         _write(f, i, 0, sample, i, float(adv_b[i]), p, t)
-    return PackedBatch(**f, temperature=batch.temperature, weight_version=batch.weight_version)
+    return PackedBatch(**f, **_facts(batch))
 
 
 def pack_thd(batch: RolloutBatch, advantages: Sequence[float] | torch.Tensor | None = None, *,
@@ -141,5 +147,4 @@ def pack_thd(batch: RolloutBatch, advantages: Sequence[float] | torch.Tensor | N
     f = _empty(1, max(int(cu[-1]), 1), _support_width(batch), pad_id)
     for i, (sample, (p, t)) in enumerate(zip(batch.samples, lens)):
         _write(f, 0, int(cu[i]), sample, i, float(adv_b[i]), p, t)
-    return PackedBatch(**f, temperature=batch.temperature, weight_version=batch.weight_version,
-                       cu_seqlens=cu)
+    return PackedBatch(**f, **_facts(batch), cu_seqlens=cu)

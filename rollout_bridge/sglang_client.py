@@ -1,6 +1,6 @@
 """HTTP client for a running SGLang server (or router): rollouts with top-K and weight sync.
 
-What: `SGLangEngine` implements `RolloutEngine` over SGLang's native API (ecosystem.md §(c),
+What: `SGLangEngine` implements `RolloutEngine` over SGLang's native API (docs/engines.md, SGLang,
 §4.4): `POST /generate` with `input_ids`, `return_logprob=true`, `top_logprobs_num=K`,
 `return_text_in_logprobs=false`, the n samples of a prompt sent as one batched request (the
 prompt repeated n times in `input_ids`, one `rid` per item); startup checks (`/health`,
@@ -47,12 +47,9 @@ import aiohttp
 import torch
 
 from rollout_bridge.engine import assemble_batch, check_sampling_params
-from rollout_bridge.parse import (
-    MalformedResponseError,
-    loads,
-    parse_response_object,
-    parse_scoring_response,
-)
+from rollout_bridge.decode import MalformedResponseError, loads
+from rollout_bridge.parse import parse_response_object
+from rollout_bridge.parse_flat import parse_scoring_response
 from rollout_bridge.types import (
     EngineMismatchError,
     RolloutBatch,
@@ -100,7 +97,7 @@ class SGLangEngine:
 
     Args:
         base_url: e.g. "http://127.0.0.1:30000".
-        top_k: K (`top_logprobs_num`); the support has K + 1 slots.
+        top_logprobs: K (`top_logprobs_num`); the support has K + 1 slots.
         timeout_s: Total timeout of one /generate request (connect + generate + read).
         max_retries: Retries after the first attempt of an item (attempts = max_retries + 1).
         max_concurrency: Maximum in-flight /generate requests.
@@ -118,7 +115,7 @@ class SGLangEngine:
         check_on_start: Run `check_server()` in the constructor.
     """
 
-    def __init__(self, base_url: str, top_k: int = 20, *, timeout_s: float = 600.0,
+    def __init__(self, base_url: str, top_logprobs: int = 20, *, timeout_s: float = 600.0,
                  max_retries: int = 3, max_concurrency: int = 64, backoff_s: float = 0.5,
                  backoff_max_s: float = 30.0, seed: int = 0, vocab_size: int | None = None,
                  expected_model_path: str | None = None, allow_truncated_sampling: bool = False,
@@ -128,7 +125,7 @@ class SGLangEngine:
         if topk_transport not in TOPK_TRANSPORTS:
             raise ValueError(f"topk_transport must be one of {TOPK_TRANSPORTS}")
         self.base_url = base_url.rstrip("/")
-        self.top_k = int(top_k)
+        self.top_logprobs = int(top_logprobs)
         self.timeout_s = float(timeout_s)
         self.max_retries = int(max_retries)
         self.max_concurrency = int(max_concurrency)
@@ -348,9 +345,9 @@ class SGLangEngine:
     # ------------------------------------------------------------------ payloads
 
     def build_generate_payload(self, prompt: list[int], num_items: int, sampling_params: dict,
-                               rids: list[str], top_k: int | None = None) -> dict:
+                               rids: list[str], top_logprobs: int | None = None) -> dict:
         """Body of one /generate request: `num_items` repeats of one prompt."""
-        k = self.top_k if top_k is None else top_k
+        k = self.top_logprobs if top_logprobs is None else top_logprobs
         payload = {"input_ids": [list(prompt) for _ in range(num_items)],
                    "sampling_params": dict(sampling_params), "rid": list(rids),
                    "return_logprob": True, "top_logprobs_num": k, "logprob_start_len": -1,
@@ -366,7 +363,7 @@ class SGLangEngine:
         return {"input_ids": [list(prompt) + list(r) for r in responses],
                 "sampling_params": {"max_new_tokens": 0, "temperature": temperature},
                 "rid": list(rids), "return_logprob": True, "logprob_start_len": len(prompt),
-                "top_logprobs_num": self.top_k, "return_text_in_logprobs": False,
+                "top_logprobs_num": self.top_logprobs, "return_text_in_logprobs": False,
                 "return_flat_raw_top_logprobs": True, "return_flat_raw_top_logprobs_b64": True,
                 "stream": False}
 
@@ -395,9 +392,10 @@ class SGLangEngine:
                 for p, prompt in enumerate(prompt_ids)))
         raise_on_failure = self.raise_on_failure if raise_on_failure is None else raise_on_failure
         return assemble_batch(outcomes, len(prompt_ids), n, temperature=temperature,
-                              top_k=self.top_k, prompt_ids=prompt_ids,
+                              top_logprobs=self.top_logprobs, prompt_ids=prompt_ids,
                               default_version=self._known_version,
-                              raise_on_failure=raise_on_failure)
+                              raise_on_failure=raise_on_failure, vocab_size=self.vocab_size,
+                              validated=True)
 
     def _backoff(self, attempt: int) -> float:
         base = min(self.backoff_max_s, self.backoff_s * 2 ** (attempt - 1))
@@ -465,7 +463,7 @@ class SGLangEngine:
         """One attempt for some items of a prompt: a sample or an `_AttemptError` per item."""
         b64 = self.topk_transport == "scoring_b64"
         payload = self.build_generate_payload(prompt, len(items), params, rids,
-                                              top_k=0 if b64 else self.top_k)
+                                              top_logprobs=0 if b64 else self.top_logprobs)
         try:
             objs = await self._post(session, payload)
         except _AttemptError as exc:
@@ -475,7 +473,8 @@ class SGLangEngine:
             try:
                 # scoring_b64: the final support (sampled token included) is validated once, when
                 # the scoring response is folded in; structural checks still run here.
-                sample = parse_response_object(obj, 0 if b64 else self.top_k, self.vocab_size,
+                sample = parse_response_object(obj, 0 if b64 else self.top_logprobs,
+                                               self.vocab_size,
                                                idx, validate=not b64)
             except MalformedResponseError as exc:
                 results.append(_AttemptError("malformed", str(exc)))
@@ -514,7 +513,7 @@ class SGLangEngine:
                 if got != want:
                     raise _AttemptError("invalid", f"scoring ran on weight_version {got!r}, "
                                         f"generation on {want!r}")
-            parse_scoring_response(objs, samples, self.top_k, self.vocab_size)
+            parse_scoring_response(objs, samples, self.top_logprobs, self.vocab_size)
         except _AttemptError as exc:
             for i in todo:
                 results[i] = exc

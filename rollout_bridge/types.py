@@ -7,9 +7,9 @@ row-aligned tensor batch (`PackedBatch`, see docs/design.md) and the error class
 Why: one format shared by the SGLang client and the in-process engine, so that the trainer never
 knows which engine produced a rollout. All logprobs are *after* temperature: they are
 `log_softmax(logits / temperature)` over the engine's full (unpadded) vocabulary, evaluated before
-any top-k / top-p / min-p truncation (that is what SGLang returns; see ecosystem.md §4.2).
+any top-k / top-p / min-p truncation (that is what SGLang returns; see docs/engines.md, SGLang).
 
-Support layout (algorithms.md §3.9), width S = K + 1 per response token:
+Support layout (docs/math.md §3.9), width S = K + 1 per response token:
   * slots 0..K-1 hold the engine's top-K in rank order (descending logprob);
   * if the sampled token is among them, its slot holds the independently returned sampled-token
     logprob; otherwise the sampled token sits in slot K;
@@ -156,19 +156,26 @@ class RolloutBatch:
         temperature: Sampling temperature the logprobs are tempered with.
         weight_version: Weight version shared by all samples (None if unknown; a
             comma-joined list if they differ, which `check_weight_version` rejects).
-        top_k: K of the support (S = K + 1).
+        top_logprobs: K of the support (S = K + 1).
         failures: Requested samples that ended without a response.
         n: Samples requested per prompt.
         num_prompts: Number of prompts in the call.
+        vocab_size: The engine's real vocabulary (ids >= vocab_size never occur), or None when
+            the engine does not know it. The loss reads it from here.
+        validated: Every sample's support was checked against the support contract
+            (`megatron_pdm.ops.support.check_support`) when it was produced, so the training
+            step can skip re-checking it.
     """
 
     samples: list[RolloutSample]
     temperature: float
     weight_version: str | None
-    top_k: int
+    top_logprobs: int
     failures: list[RolloutFailure] = dataclasses.field(default_factory=list)
     n: int = 1
     num_prompts: int = 0
+    vocab_size: int | None = None
+    validated: bool = False
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -252,8 +259,12 @@ class PackedBatch:
             (all-invalid with id 0 / logprob -inf on non-loss rows).
         advantages: fp32 per-sample advantage broadcast to that sample's loss rows, 0 elsewhere.
         seq_ids: int64 sample index in `samples` order, -1 on padding.
-        temperature: Temperature the behavior logprobs are tempered with.
+        temperature: Temperature the behavior logprobs are tempered with (the loss divides the
+            training logits by it; there is no other source).
         weight_version: Weight version of the rollouts.
+        vocab_size: The engine's real vocabulary (ids beyond it are megatron padding, excluded
+            from the training softmax); None if the engine did not report it.
+        validated: The supports were checked when the rollouts were produced.
         cu_seqlens: [b+1] int32 cumulative sample lengths (THD only).
     """
 
@@ -269,12 +280,29 @@ class PackedBatch:
     seq_ids: torch.Tensor
     temperature: float
     weight_version: str | None
+    vocab_size: int | None = None
+    validated: bool = False
     cu_seqlens: torch.Tensor | None = None
 
     @property
     def is_thd(self) -> bool:
         """True for the packed THD layout."""
         return self.cu_seqlens is not None
+
+    @property
+    def num_rows(self) -> int:
+        """Rows b of the padded layout (1 for THD)."""
+        return int(self.tokens.shape[0])
+
+    def select_rows(self, idx: torch.Tensor) -> PackedBatch:
+        """Rows `idx` of a padded batch (a micro-batch); the batch facts are kept."""
+        if self.is_thd:
+            raise ValueError("select_rows needs the padded layout (THD batches are one row)")
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for name, value in fields.items():
+            if torch.is_tensor(value):
+                fields[name] = value[idx]
+        return PackedBatch(**fields)
 
     def flat(self) -> dict[str, torch.Tensor]:
         """Per-token fields flattened to [N] / [N, S] (N = all rows), for `token_stats`."""

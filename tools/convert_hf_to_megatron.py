@@ -31,18 +31,19 @@ def convert_hf_to_megatron(
 ) -> float:
     """Import `hf_dir` into `out`; returns the wall time in seconds."""
     from megatron_pdm.convert import mapping
-    from megatron_pdm.convert.checkpoint import arch_dict_from_hf_config, import_rank
-    from megatron_pdm.convert.distributed import launch, min_world_size
+    from megatron_pdm.convert.checkpoint import import_rank
+    from megatron_pdm.convert.distributed import launch
     from megatron_pdm.convert.hf_io import HFReader, read_hf_config
     from megatron_pdm.layout import validate_layout
-    from megatron_pdm.megatron.model import Qwen3MoeArch
+    from megatron_pdm.arch import Qwen3MoeArch, min_world_size
 
     start = time.perf_counter()
     # refuse a bad checkpoint or layout here (headers only) before spawning any rank
-    arch = Qwen3MoeArch.from_dict(arch_dict_from_hf_config(read_hf_config(hf_dir)))
+    arch = Qwen3MoeArch.from_hf_config(read_hf_config(hf_dir))
     mapping.check_hf_tensors(HFReader(hf_dir), arch)
-    validate_layout(arch, world_size=min_world_size(tp, ep, pp), tp=tp, pp=pp, ep=ep)
-    launch(import_rank, min_world_size(tp, ep, pp), hf_dir, out, tp, ep, pp, dtype, key_style)
+    world = min_world_size(tp=tp, ep=ep, pp=pp)
+    validate_layout(arch, world_size=world, tp=tp, pp=pp, ep=ep)
+    launch(import_rank, world, hf_dir, out, tp, ep, pp, dtype, key_style)
     return time.perf_counter() - start
 
 

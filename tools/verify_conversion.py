@@ -37,7 +37,8 @@ def verify_conversion(
     from transformers import AutoModelForCausalLM
 
     from megatron_pdm.convert.checkpoint import megatron_logits_rank
-    from megatron_pdm.convert.distributed import launch, min_world_size
+    from megatron_pdm.arch import min_world_size
+    from megatron_pdm.convert.distributed import launch
 
     if seq_len % tp:
         raise ValueError(f"seq_len={seq_len} must be divisible by TP={tp} (sequence parallel)")
@@ -52,7 +53,7 @@ def verify_conversion(
         torch.save(ids_bs, ids_path)
         launch(
             megatron_logits_rank,
-            min_world_size(tp, ep, 1),
+            min_world_size(tp=tp, ep=ep),
             megatron_dir,
             tp,
             ep,

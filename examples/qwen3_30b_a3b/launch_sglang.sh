@@ -6,7 +6,7 @@
 #   with ROLLOUT_PRECISION=fp8: pass the Qwen3-30B-A3B-FP8 directory, or run with
 #   --quantization fp8 to quantise on load). Weights are refreshed by the trainer each iteration.
 # The trainer sends token ids (no tokenizer on the server: --skip-tokenizer-init) and asks for
-#   top-K logprobs (rollout.top_k in pdm.yaml), so the returned logprobs are over the full vocab.
+#   top-K logprobs (rollout.top_logprobs in pdm.yaml), so the returned logprobs are over the full vocab.
 set -euo pipefail
 
 HF_CKPT="${HF_CKPT:-/checkpoints/Qwen3-30B-A3B}"

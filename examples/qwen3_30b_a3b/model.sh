@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Qwen3-30B-A3B architecture flags (megatron-style), sourced by train_pdm*.sh.
-# Must agree with megatron_pdm.megatron.model.Qwen3MoeArch.qwen3_30b_a3b()
+# Must agree with megatron_pdm.mcore.model.Qwen3MoeArch.qwen3_30b_a3b()
 # (tests/unit/test_examples_qwen3_30b_a3b.py checks every value).
 MODEL_ARGS=(
     --num-layers 48

@@ -1,7 +1,7 @@
 """HF Qwen3-MoE -> megatron-core dist checkpoint (torch_dist), and loading it at any layout.
 
 Import, on every rank of the requested (TP, EP, PP) layout:
-1. build this rank's local GPTModel (`megatron_pdm.megatron.model.build_model`);
+1. build this rank's local GPTModel (`megatron_pdm.mcore.model.build_model`);
 2. for each local parameter, name its canonical full tensor (global layer, global expert), read
    just that tensor from the safetensors files (`mapping.canonical_from_hf`; embedding and output
    rows are read as a row range) and cut this rank's TP / expert-TP part;
@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_pdm.arch import Qwen3MoeArch
 from megatron_pdm.convert import mapping
 from megatron_pdm.convert.hf_io import HFReader, read_hf_config
 
@@ -46,47 +47,6 @@ _ST_DTYPES = {"F32": "fp32", "BF16": "bf16", "F16": "fp16"}
 # ---------------------------------------------------------------------------------------------
 
 
-def arch_dict_from_hf_config(cfg: dict) -> dict:
-    """Qwen3MoeArch fields from an HF Qwen3-MoE config.json; refuses features we do not map."""
-    problems = []
-    if cfg.get("model_type") not in (None, "qwen3_moe"):
-        problems.append(f"model_type={cfg.get('model_type')!r}, expected 'qwen3_moe'")
-    if cfg.get("tie_word_embeddings", False):
-        problems.append("tie_word_embeddings=True (Qwen3-MoE is untied; tied is not supported)")
-    if cfg.get("decoder_sparse_step", 1) != 1 or cfg.get("mlp_only_layers"):
-        problems.append(
-            "dense (mlp_only_layers / decoder_sparse_step != 1) layers are not supported"
-        )
-    if not cfg.get("norm_topk_prob", True):
-        problems.append("norm_topk_prob=False is not supported (megatron renormalises top-k)")
-    if cfg.get("attention_bias", False):
-        problems.append("attention_bias=True is not supported")
-    if cfg.get("hidden_act", "silu") != "silu":
-        problems.append(f"hidden_act={cfg.get('hidden_act')!r}, expected 'silu'")
-    rope = cfg.get("rope_scaling") or {}
-    if rope and rope.get("rope_type", rope.get("type", "default")) != "default":
-        problems.append(f"rope_scaling={rope} is not supported")
-    if problems:
-        raise ValueError("unsupported HF config:\n  " + "\n  ".join(problems))
-    rope_theta = cfg.get("rope_theta")
-    if rope_theta is None:  # transformers 5.x nests it in rope_parameters
-        rope_theta = (cfg.get("rope_parameters") or {}).get("rope_theta", 1_000_000.0)
-    return dict(
-        vocab_size=cfg["vocab_size"],
-        hidden_size=cfg["hidden_size"],
-        num_layers=cfg["num_hidden_layers"],
-        num_attention_heads=cfg["num_attention_heads"],
-        num_query_groups=cfg["num_key_value_heads"],
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
-        num_experts=cfg.get("num_experts", cfg.get("num_local_experts")),
-        moe_router_topk=cfg["num_experts_per_tok"],
-        moe_ffn_hidden_size=cfg["moe_intermediate_size"],
-        rotary_base=float(rope_theta),
-        norm_epsilon=cfg.get("rms_norm_eps", 1e-6),
-        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-    )
-
-
 def read_meta(megatron_dir) -> dict:
     path = Path(megatron_dir) / META_FILE
     if not path.exists():
@@ -96,15 +56,13 @@ def read_meta(megatron_dir) -> dict:
     return json.loads(path.read_text())
 
 
-def arch_from_meta(meta: dict):
-    from megatron_pdm.megatron.model import Qwen3MoeArch
-
-    return Qwen3MoeArch.from_dict(meta["arch"])
+def arch_from_meta(meta: dict) -> Qwen3MoeArch:
+    return Qwen3MoeArch.from_dict(meta["arch"], path="pdm_model.json arch")
 
 
 def check_vocab_padding(arch, ckpt_tp: int, tp: int) -> None:
     """megatron pads the vocabulary to a multiple of divisible_by * TP: refuse a mismatch early."""
-    saved, wanted = mapping.padded_vocab(arch, ckpt_tp), mapping.padded_vocab(arch, tp)
+    saved, wanted = arch.padded_vocab(ckpt_tp), arch.padded_vocab(tp)
     if saved != wanted:
         raise ValueError(
             f"vocab padding differs: checkpoint written at TP={ckpt_tp} has {saved} rows, TP={tp} "
@@ -122,8 +80,8 @@ def build_local_model(arch, *, tp: int, ep: int, pp: int, params_dtype=torch.flo
     """This rank's GPTModel for the layout (parallel_state must be initialised)."""
     from megatron.core import parallel_state as ps
 
-    from megatron_pdm.megatron.cpu_shim import apply_cpu_shim
-    from megatron_pdm.megatron.model import build_model, transformer_config
+    from megatron_pdm.mcore.cpu_shim import apply_cpu_shim
+    from megatron_pdm.mcore.model import build_model, transformer_config
 
     apply_cpu_shim()
     config = transformer_config(
@@ -247,10 +205,9 @@ def import_rank(
     from megatron.core import dist_checkpointing
 
     from megatron_pdm.convert.distributed import init_model_parallel, is_rank0
-    from megatron_pdm.megatron.model import Qwen3MoeArch
 
     hf_cfg = read_hf_config(hf_dir)
-    arch = Qwen3MoeArch.from_dict(arch_dict_from_hf_config(hf_cfg))
+    arch = Qwen3MoeArch.from_hf_config(hf_cfg)
     reader = HFReader(hf_dir)
     expert_layout = mapping.check_hf_tensors(reader, arch)
     src_dtype = _ST_DTYPES.get(reader.dtype("model.embed_tokens.weight"), "fp32")

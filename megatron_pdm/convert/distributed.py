@@ -11,19 +11,12 @@ Conversion moves weights only (no forward pass), so it always uses gloo, also on
 
 from __future__ import annotations
 
-import math
 import os
 import socket
-from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.distributed as dist
-
-
-def min_world_size(tp: int, ep: int, pp: int) -> int:
-    """Smallest world holding TP x PP (x DP) with EP dividing TP*DP (expert TP = 1)."""
-    return pp * math.lcm(tp, ep)
 
 
 def under_torchrun() -> bool:
@@ -36,22 +29,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _unshadow_megatron() -> None:
-    """Drop sys.path entries whose `megatron` package is not megatron-core.
-
-    Spawned children inherit the parent's sys.path; a directory such as a test tree holding a
-    `megatron/__init__.py` (pytest prepends test roots) would otherwise shadow megatron-core.
-    """
-    import sys
-
-    for entry in list(sys.path):
-        pkg = Path(entry or ".") / "megatron"
-        if (pkg / "__init__.py").exists() and not (pkg / "core").is_dir():
-            sys.path.remove(entry)
-
-
 def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple) -> None:
-    _unshadow_megatron()
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
@@ -98,7 +76,7 @@ def launch(fn: Callable, world_size: int, *args) -> None:
 
 def init_model_parallel(tp: int, ep: int, pp: int) -> None:
     """megatron parallel_state for the layout (shared with the trainer)."""
-    from megatron_pdm.megatron.parallel import init_model_parallel as _init
+    from megatron_pdm.mcore.parallel import init_model_parallel as _init
 
     _init(tp, ep, pp)
 

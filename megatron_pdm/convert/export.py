@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_pdm.arch import Qwen3MoeArch
 from megatron_pdm.convert import mapping
 from megatron_pdm.convert.checkpoint import _DTYPES, _PRE_MLP_KEYS, arch_from_meta, read_meta
 from megatron_pdm.convert.hf_io import ShardedSafetensorsWriter
@@ -238,35 +239,15 @@ def _write_config(meta: dict, arch, out: Path, dtype: str) -> None:
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
-def _arch_mismatch(cfg: dict, arch) -> bool:
-    from megatron_pdm.convert.checkpoint import arch_dict_from_hf_config
+def _arch_mismatch(cfg: dict, arch: Qwen3MoeArch) -> bool:
+    try:
+        theirs = Qwen3MoeArch.from_hf_config(
+            cfg, make_vocab_size_divisible_by=arch.make_vocab_size_divisible_by)
+    except (ValueError, KeyError):
+        return True
+    return bool(arch.differences(theirs))
 
-    want = {k: v for k, v in arch.to_dict().items() if k != "make_vocab_size_divisible_by"}
-    return arch_dict_from_hf_config(cfg) != want
 
-
-def hf_config_from_arch(arch) -> dict:
-    """A minimal transformers Qwen3MoeConfig dict for `arch`."""
-    return {
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "model_type": "qwen3_moe",
-        "vocab_size": arch.vocab_size,
-        "hidden_size": arch.hidden_size,
-        "num_hidden_layers": arch.num_layers,
-        "num_attention_heads": arch.num_attention_heads,
-        "num_key_value_heads": arch.num_query_groups,
-        "head_dim": arch.head_dim,
-        "num_experts": arch.num_experts,
-        "num_experts_per_tok": arch.moe_router_topk,
-        "moe_intermediate_size": arch.moe_ffn_hidden_size,
-        "intermediate_size": arch.moe_ffn_hidden_size * arch.moe_router_topk,
-        "rope_theta": arch.rotary_base,
-        "rms_norm_eps": arch.norm_epsilon,
-        "max_position_embeddings": arch.max_position_embeddings,
-        "norm_topk_prob": True,
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-        "tie_word_embeddings": False,
-        "hidden_act": "silu",
-        "attention_bias": False,
-    }
+def hf_config_from_arch(arch: Qwen3MoeArch) -> dict:
+    """A transformers Qwen3MoeConfig dict for `arch` (`Qwen3MoeArch.to_hf_config`)."""
+    return arch.to_hf_config()

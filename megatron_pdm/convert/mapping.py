@@ -61,11 +61,6 @@ _LAYER_DIRECT = {
 EXPERT_LAYOUTS = ("fused", "per_expert")
 
 
-def padded_vocab(arch, tp: int = 1) -> int:
-    multiple = arch.make_vocab_size_divisible_by * tp
-    return -(-arch.vocab_size // multiple) * multiple
-
-
 # ---------------------------------------------------------------------------------------------
 # shapes
 # ---------------------------------------------------------------------------------------------
@@ -113,7 +108,7 @@ def canonical_shapes(arch) -> dict[str, tuple[int, ...]]:
     """Every canonical (TP1/EP1/PP1, sequential-expert) megatron tensor of `arch` and its shape."""
     H, D, E, I = arch.hidden_size, arch.head_dim, arch.num_experts, arch.moe_ffn_hidden_size
     nh, g = arch.num_attention_heads, arch.num_query_groups
-    vp = padded_vocab(arch)
+    vp = arch.padded_vocab(1)
     shapes = {
         "embedding.word_embeddings.weight": (vp, H),
         "output_layer.weight": (vp, H),
@@ -209,9 +204,9 @@ def pad_vocab_rows(w: torch.Tensor, rows: int) -> torch.Tensor:
 def canonical_from_hf(name: str, reader: HFReader, arch, expert_layout: str) -> torch.Tensor:
     """The full megatron tensor `name` (canonical name), read lazily from the HF checkpoint."""
     if name == "embedding.word_embeddings.weight":
-        return pad_vocab_rows(reader.get("model.embed_tokens.weight"), padded_vocab(arch))
+        return pad_vocab_rows(reader.get("model.embed_tokens.weight"), arch.padded_vocab(1))
     if name == "output_layer.weight":
-        return pad_vocab_rows(reader.get("lm_head.weight"), padded_vocab(arch))
+        return pad_vocab_rows(reader.get("lm_head.weight"), arch.padded_vocab(1))
     if name == "decoder.final_layernorm.weight":
         return reader.get("model.norm.weight")
     m = _LAYER_RE.match(name)

@@ -1,7 +1,7 @@
 """The masked policy-gradient surrogate of the whole family, in megatron-core's loss contract.
 
 Given TokenStats from the vocab-parallel op, one function covers GRPO clip-higher, DPPO, PDM and
-DRPO (algorithms.md §2.2, §3.4, §4.2, §5.1):
+DRPO (docs/math.md §2.2, §3.4, §4.2, §5.1):
 
     r      = exp(clamp(log pi_k - log mu_k, +-20))              (detached, vs the ROLLOUT mu)
     D      = proximity divergence (config.proximity)
@@ -21,8 +21,13 @@ micro-batches and data-parallel ranks, so the pair must be chosen per aggregatio
     seq-mean-token-sum       (sum_t loss_t,                #sequences with a loss token)
     seq-mean-token-sum-norm  (sum_t loss_t / loss_horizon, #sequences with a loss token)
 
-Sequences are counted per call via `seq_ids`; a sequence split across micro-batches is counted
-once per micro-batch (pack whole sequences per micro-batch for the sequence aggregations).
+Sequences are counted per call via `seq_ids` (sort-based, no host sync); a sequence split across
+micro-batches is counted once per micro-batch (pack whole sequences per micro-batch for the
+sequence aggregations).
+
+Input checks (`check_inputs=True`, the default) cost host syncs; a caller whose batch was checked
+where it entered the system (the Megatron adapter with a validated `PackedBatch`) turns them off
+and the function then runs without any device -> host synchronisation.
 
 Metrics (all tensor([sum, count]), detached; keys in metrics.py): pdm/masked_frac,
 pdm/masked_frac_pos_adv, pdm/masked_frac_neg_adv, pdm/out_of_region_frac,
@@ -34,6 +39,8 @@ Shape legend: N tokens.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -80,13 +87,49 @@ class PolicyLossOutput(tuple):
         return self[2]
 
 
+@dataclass
+class _Terms:
+    """Detached per-token quantities of one call ([N] each)."""
+
+    loss_mask: torch.Tensor
+    adv: torch.Tensor
+    logmu_k: torch.Tensor
+    raw_log_ratio: torch.Tensor
+    ratio: torch.Tensor
+    divergence: torch.Tensor
+    topk_ddot: torch.Tensor
+    interval: tuple[torch.Tensor, torch.Tensor]
+    away: torch.Tensor
+    delta: torch.Tensor
+    keep: torch.Tensor
+    weight: torch.Tensor
+    coeff: torch.Tensor
+
+
 def _check_shapes(n: int, **tensors: torch.Tensor | None) -> None:
     for name, t in tensors.items():
         if t is not None and tuple(t.shape) != (n,):
             raise ValueError(f"{name}: expected shape ({n},), got {tuple(t.shape)}")
 
 
-def _proximity(cfg, stats, ratio_N, logmu_k_N) -> torch.Tensor:
+def _check_values(stats: TokenStats, advantages: torch.Tensor, behavior_logprob: torch.Tensor,
+                  lm_N: torch.Tensor, cfg: PolicyLossConfig) -> None:
+    """Loss rows must have a support (top-K proximities) and finite A and log mu_k."""
+    if not lm_N.numel():
+        return
+    if cfg.proximity in _NEEDS_SUPPORT and bool((lm_N & ~stats.has_support).any()):
+        row = int((lm_N & ~stats.has_support).nonzero()[0, 0])
+        raise ValueError(f"loss_mask row {row} has no valid support but {cfg.proximity} needs it")
+    inputs_2N = torch.stack([advantages.to(torch.float64), behavior_logprob.to(torch.float64)])
+    bad_2N = lm_N & ~torch.isfinite(inputs_2N)
+    if bool(bad_2N.any()):  # one host sync for both checks
+        which, row = (int(i) for i in bad_2N.nonzero()[0])
+        name = ("advantages", "behavior_logprob")[which]
+        raise ValueError(f"{name}: row {row} is {float(inputs_2N[which, row])} on a loss row")
+
+
+def _proximity(cfg: PolicyLossConfig, stats: TokenStats, ratio_N: torch.Tensor,
+               logmu_k_N: torch.Tensor) -> torch.Tensor:
     logpi_k_N = stats.logprob.detach().to(ratio_N.dtype)
     if cfg.proximity == "ratio":
         return (ratio_N - 1.0).abs()
@@ -101,20 +144,106 @@ def _proximity(cfg, stats, ratio_N, logmu_k_N) -> torch.Tensor:
     return torch.zeros_like(ratio_N)
 
 
-def _predictive_score(cfg, stats, adv_N, logmu_k_N) -> tuple[torch.Tensor, torch.Tensor]:
-    """(away score, Ddot) for the predictive direction of the configured divergence."""
+def _predictive_away(cfg: PolicyLossConfig, stats: TokenStats, adv_N: torch.Tensor,
+                     logmu_k_N: torch.Tensor, topk_ddot_N: torch.Tensor) -> torch.Tensor:
+    """A * Ddot of the configured divergence (the §3.6 one-sided rule for top-K TV)."""
     pi_k_N, mu_k_N = stats.pi_k, logmu_k_N.exp()
     if cfg.proximity == "binary_kl":
-        ddot = _direction.binary_kl_rate(pi_k_N, mu_k_N, stats.log1m_pi_k.exp(), stats.p2)
-        return adv_N * ddot, ddot
+        return adv_N * _direction.binary_kl_rate(pi_k_N, mu_k_N, stats.log1m_pi_k.exp(),
+                                                 stats.p2)
     if cfg.proximity == "binary_tv":
-        ddot = _direction.binary_tv_rate(pi_k_N, mu_k_N, stats.p2)
-        return adv_N * ddot, ddot
-    ddot = stats.divergence_rate(cfg.divergence_kind, cfg.tail)
+        return adv_N * _direction.binary_tv_rate(pi_k_N, mu_k_N, stats.p2)
     if cfg.divergence_kind == "tv":
         # §3.6 one-sided rule: ties move away from equality whatever the sign of A.
-        return torch.sign(adv_N) * ddot + stats.tv_tie_rate(cfg.tail) * (adv_N != 0), ddot
-    return adv_N * ddot, ddot
+        return torch.sign(adv_N) * topk_ddot_N + stats.tv_tie_rate(cfg.tail) * (adv_N != 0)
+    return adv_N * topk_ddot_N
+
+
+def _token_terms(stats: TokenStats, advantages: torch.Tensor, behavior_logprob: torch.Tensor,
+                 lm_N: torch.Tensor, cfg: PolicyLossConfig) -> _Terms:
+    """Ratio, divergence, direction and the mask or DRPO weight of every token (detached).
+
+    The top-K direction Ddot and the §7.2 interval are computed once here and shared by the
+    direction, the noise-floor fallback and the metrics.
+    """
+    dtype = stats.pi_k.dtype
+    adv_N = torch.where(lm_N, advantages.to(dtype), 0.0)
+    logpi_k_N = stats.logprob.detach().to(dtype)
+    logmu_k_N = torch.where(lm_N, behavior_logprob.to(dtype), logpi_k_N)
+    raw_log_ratio_N = logpi_k_N - logmu_k_N
+    ratio_N = raw_log_ratio_N.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp).exp()
+    div_N = _proximity(cfg, stats, ratio_N, logmu_k_N)
+    kind = cfg.divergence_kind if cfg.proximity not in ("ratio", "none") else "kl"
+    topk_ddot_N = stats.divergence_rate(kind, cfg.tail)
+    interval = stats.direction_interval()
+    ratio_away_N = adv_N * (ratio_N - 1.0)
+    if cfg.direction == "ratio":
+        away_N = ratio_away_N
+    else:
+        away_N = _predictive_away(cfg, stats, adv_N, logmu_k_N, topk_ddot_N)
+        if cfg.noise_floor is not None:
+            # §7.5: use the predictive sign only where its correction to the local term exceeds
+            # the certified-interval width plus the rollout logprob error.
+            lower_N, upper_N = interval
+            local_N = stats.pi_k - logmu_k_N.exp()
+            cross_N = (stats.behavior_support_probs * stats.support_probs).sum(-1)
+            bound_N = (upper_N - lower_N) + cfg.noise_floor * cross_N
+            away_N = torch.where((topk_ddot_N - local_N).abs() > bound_N, away_N, ratio_away_N)
+    delta_N = _masks.threshold(adv_N, cfg.delta_low, cfg.delta_high).to(dtype)
+    if cfg.shaping == "mask":
+        keep_N = _masks.keep_mask(div_N, away_N, delta_N) | (adv_N == 0) | ~lm_N
+        weight_N = keep_N.to(dtype)
+    else:
+        keep_N = torch.ones_like(lm_N)
+        weight_N = _masks.drpo_weight(div_N, away_N, delta_N)
+    coeff_N = torch.where(lm_N, adv_N * ratio_N.clamp_max(cfg.ratio_cap) * weight_N, 0.0)
+    return _Terms(lm_N, adv_N, logmu_k_N, raw_log_ratio_N, ratio_N, div_N, topk_ddot_N,
+                  interval, away_N, delta_N, keep_N, weight_N, coeff_N)
+
+
+def _num_sequences(seq_ids_N: torch.Tensor, live_N: torch.Tensor) -> torch.Tensor:
+    """Distinct seq ids among live rows, on device (sort-based; no host sync)."""
+    if not seq_ids_N.numel():
+        return torch.zeros((), dtype=torch.int64, device=seq_ids_N.device)
+    keyed_N = torch.where(live_N, seq_ids_N.long(), -1)
+    sorted_N = torch.sort(keyed_N).values
+    starts_N = torch.ones_like(sorted_N, dtype=torch.bool)
+    starts_N[1:] = sorted_N[1:] != sorted_N[:-1]
+    return (starts_N & (sorted_N >= 0)).sum()
+
+
+def _metrics(stats: TokenStats, t: _Terms, cfg: PolicyLossConfig,
+             per_token_loss_N: torch.Tensor) -> dict[str, torch.Tensor]:
+    dtype = stats.pi_k.dtype
+    mdtype = torch.float64 if dtype == torch.float64 else torch.float32
+    lm_N = t.loss_mask
+    nz_N = lm_N & (t.adv != 0)
+    sup_N = nz_N & stats.has_support
+    lm_sup_N = lm_N & stats.has_support
+    masked_N = ~t.keep
+    lower_N, upper_N = t.interval
+    uncertain_N = stats.has_support & (lower_N <= 0) & (upper_N >= 0)
+    disagree_N = torch.sign(t.ratio - 1.0) != torch.sign(t.topk_ddot)
+    out = {
+        M.MASKED_FRAC: M.sum_count(masked_N, nz_N, mdtype),
+        M.MASKED_FRAC_POS_ADV: M.sum_count(masked_N, nz_N & (t.adv > 0), mdtype),
+        M.MASKED_FRAC_NEG_ADV: M.sum_count(masked_N, nz_N & (t.adv < 0), mdtype),
+        M.OUT_OF_REGION_FRAC: M.sum_count(t.divergence > t.delta, nz_N, mdtype),
+        M.DIRECTION_DISAGREE_FRAC: M.sum_count(disagree_N, sup_N, mdtype),
+        M.DIRECTION_UNCERTAIN_FRAC: M.sum_count(uncertain_N, sup_N, mdtype),
+        M.DIVERGENCE_MEAN: M.sum_count(t.divergence, lm_N, mdtype),
+        M.TOPK_KL_MEAN: M.sum_count(stats.topk_kl, lm_sup_N, mdtype),
+        M.TOPK_TV_MEAN: M.sum_count(stats.topk_tv, lm_sup_N, mdtype),
+        M.PI_TAIL_MEAN: M.sum_count(stats.pi_tail, lm_sup_N, mdtype),
+        M.MU_TAIL_MEAN: M.sum_count(stats.mu_tail, lm_sup_N, mdtype),
+        M.ABS_PROB_DIFF: M.sum_count((stats.pi_k - t.logmu_k.exp()).abs(), lm_N, mdtype),
+        M.RATIO_MEAN: M.sum_count(t.ratio, lm_N, mdtype),
+        M.ABS_LOGPROB_DIFF: M.sum_count(t.raw_log_ratio.abs(), lm_N, mdtype),
+        M.LOSS_PG: M.sum_count(per_token_loss_N, lm_N, mdtype),
+    }
+    if cfg.shaping == "drpo":
+        out[M.DRPO_WEIGHT_MEAN] = M.sum_count(t.weight, lm_N, mdtype)
+    return out
 
 
 def policy_loss(
@@ -125,6 +254,7 @@ def policy_loss(
     cfg: PolicyLossConfig,
     *,
     seq_ids: torch.Tensor | None = None,
+    check_inputs: bool = True,
 ) -> PolicyLossOutput:
     """Masked / shaped policy-gradient loss in megatron-core's (loss_sum, num_tokens, metrics).
 
@@ -135,110 +265,46 @@ def policy_loss(
         loss_mask: [N] bool (or 0/1), rows that carry a loss.
         cfg: the method.
         seq_ids: [N] int sample index (-1 = padding); required by the sequence aggregations.
+        check_inputs: check the values (host syncs); off for batches checked at the boundary.
 
     Returns:
         PolicyLossOutput: (loss_sum scalar, num_tokens int scalar, metrics), plus .mask, .coeff,
         .per_token_loss, .divergence, .away_score, .ratio. See the module docstring.
 
     Raises:
-        ValueError: shape mismatches, missing seq_ids, non-finite advantages or behavior
-            logprobs on loss rows, or loss rows without a support when the config needs one
-            (row named).
+        ValueError: shape mismatches, missing seq_ids, and (with check_inputs) non-finite
+            advantages or behavior logprobs on loss rows, or loss rows without a support when
+            the config needs one (row named).
     """
     n = stats.logprob.shape[0]
     _check_shapes(n, advantages=advantages, behavior_logprob=behavior_logprob,
                   loss_mask=loss_mask, seq_ids=seq_ids)
-    dtype = stats.pi_k.dtype
-    lm_N = loss_mask.to(torch.bool)
-    needs_support = cfg.proximity in _NEEDS_SUPPORT
-    if needs_support and n and bool((lm_N & ~stats.has_support).any()):
-        row = int((lm_N & ~stats.has_support).nonzero()[0, 0])
-        raise ValueError(f"loss_mask row {row} has no valid support but {cfg.proximity} needs it")
-    inputs_2N = torch.stack([advantages.to(torch.float64), behavior_logprob.to(torch.float64)])
-    bad_2N = lm_N & ~torch.isfinite(inputs_2N)
-    if n and bool(bad_2N.any()):  # one host sync for both checks
-        which, row = (int(i) for i in bad_2N.nonzero()[0])
-        name = ("advantages", "behavior_logprob")[which]
-        raise ValueError(f"{name}: row {row} is {float(inputs_2N[which, row])} on a loss row")
     if cfg.aggregation != "token-mean" and seq_ids is None:
         raise ValueError(f"aggregation {cfg.aggregation!r} needs seq_ids")
-
+    lm_N = loss_mask.to(torch.bool)
+    if check_inputs:
+        _check_values(stats, advantages, behavior_logprob, lm_N, cfg)
     with torch.no_grad():
-        adv_N = torch.where(lm_N, advantages.to(dtype), 0.0)
-        logpi_k_N = stats.logprob.detach().to(dtype)
-        logmu_k_N = torch.where(lm_N, behavior_logprob.to(dtype), logpi_k_N)
-        raw_log_ratio_N = logpi_k_N - logmu_k_N
-        log_ratio_N = raw_log_ratio_N.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
-        ratio_N = log_ratio_N.exp()
-        div_N = _proximity(cfg, stats, ratio_N, logmu_k_N)
-        ratio_score_N = adv_N * (ratio_N - 1.0)
-        if cfg.direction == "ratio":
-            away_N = ratio_score_N
-        else:
-            away_N, ddot_N = _predictive_score(cfg, stats, adv_N, logmu_k_N)
-            if cfg.noise_floor is not None:
-                lower_N, upper_N = stats.direction_interval()
-                local_N = stats.pi_k - logmu_k_N.exp()
-                cross_N = (stats.behavior_support_probs * stats.support_probs).sum(-1)
-                bound_N = (upper_N - lower_N) + cfg.noise_floor * cross_N
-                away_N = torch.where((ddot_N - local_N).abs() > bound_N, away_N, ratio_score_N)
-        delta_N = _masks.threshold(adv_N, cfg.delta_low, cfg.delta_high).to(dtype)
-        capped_N = ratio_N.clamp_max(cfg.ratio_cap)
-        if cfg.shaping == "mask":
-            keep_N = _masks.keep_mask(div_N, away_N, delta_N) | (adv_N == 0) | ~lm_N
-            weight_N = keep_N.to(dtype)
-        else:
-            keep_N = torch.ones_like(lm_N)
-            weight_N = _masks.drpo_weight(div_N, away_N, delta_N)
-        coeff_N = torch.where(lm_N, adv_N * capped_N * weight_N, 0.0)
+        t = _token_terms(stats, advantages, behavior_logprob, lm_N, cfg)
 
-    per_token_loss_N = torch.where(lm_N, -coeff_N.to(stats.logprob.dtype) * stats.logprob, 0.0)
+    per_token_loss_N = torch.where(lm_N, -t.coeff.to(stats.logprob.dtype) * stats.logprob, 0.0)
     loss_sum = per_token_loss_N.sum()
     if cfg.aggregation == "token-mean":
         num = lm_N.sum()
     else:
-        live = lm_N & (seq_ids >= 0)
-        num = torch.tensor(torch.unique(seq_ids[live]).numel(), device=lm_N.device)
+        num = _num_sequences(seq_ids, lm_N & (seq_ids >= 0))
         if cfg.aggregation == "seq-mean-token-sum-norm":
             loss_sum = loss_sum / float(cfg.loss_horizon)
-    num_tokens = num.to(torch.int)
-
     with torch.no_grad():
-        mdtype = torch.float64 if dtype == torch.float64 else torch.float32
-        nz_N = lm_N & (adv_N != 0)
-        sup_N = nz_N & stats.has_support
-        masked_N = ~keep_N
-        kind = cfg.divergence_kind if cfg.proximity not in ("ratio", "none") else "kl"
-        pred_ddot_N = stats.divergence_rate(kind, cfg.tail)
-        disagree_N = torch.sign(ratio_N - 1.0) != torch.sign(pred_ddot_N)
-        out = {
-            M.MASKED_FRAC: M.sum_count(masked_N, nz_N, mdtype),
-            M.MASKED_FRAC_POS_ADV: M.sum_count(masked_N, nz_N & (adv_N > 0), mdtype),
-            M.MASKED_FRAC_NEG_ADV: M.sum_count(masked_N, nz_N & (adv_N < 0), mdtype),
-            M.OUT_OF_REGION_FRAC: M.sum_count(div_N > delta_N, nz_N, mdtype),
-            M.DIRECTION_DISAGREE_FRAC: M.sum_count(disagree_N, sup_N, mdtype),
-            M.DIRECTION_UNCERTAIN_FRAC: M.sum_count(stats.direction_uncertain, sup_N, mdtype),
-            M.DIVERGENCE_MEAN: M.sum_count(div_N, lm_N, mdtype),
-            M.TOPK_KL_MEAN: M.sum_count(stats.topk_kl, lm_N & stats.has_support, mdtype),
-            M.TOPK_TV_MEAN: M.sum_count(stats.topk_tv, lm_N & stats.has_support, mdtype),
-            M.PI_TAIL_MEAN: M.sum_count(stats.pi_tail, lm_N & stats.has_support, mdtype),
-            M.MU_TAIL_MEAN: M.sum_count(stats.mu_tail, lm_N & stats.has_support, mdtype),
-            M.ABS_PROB_DIFF: M.sum_count((stats.pi_k - logmu_k_N.exp()).abs(), lm_N, mdtype),
-            M.RATIO_MEAN: M.sum_count(ratio_N, lm_N, mdtype),
-            M.ABS_LOGPROB_DIFF: M.sum_count(raw_log_ratio_N.abs(), lm_N, mdtype),
-            M.LOSS_PG: M.sum_count(per_token_loss_N, lm_N, mdtype),
-        }
-        if cfg.shaping == "drpo":
-            out[M.DRPO_WEIGHT_MEAN] = M.sum_count(weight_N, lm_N, mdtype)
-
+        metrics = _metrics(stats, t, cfg, per_token_loss_N)
     return PolicyLossOutput(
         loss_sum,
-        num_tokens,
-        out,
-        mask=keep_N,
-        coeff=coeff_N,
+        num.to(torch.int),
+        metrics,
+        mask=t.keep,
+        coeff=t.coeff,
         per_token_loss=per_token_loss_N,
-        divergence=div_N,
-        away_score=away_N,
-        ratio=ratio_N,
+        divergence=t.divergence,
+        away_score=t.away,
+        ratio=t.ratio,
     )

@@ -1,6 +1,6 @@
 """Predicted direction of the divergence: Ddot = d/deta D(softmax(z + eta v)) at eta = 0.
 
-PDM (algorithms.md §3) keeps DPPO's proximity test D > delta but replaces PPO's direction test
+PDM (docs/math.md §3) keeps DPPO's proximity test D > delta but replaces PPO's direction test
 sign(A (r - 1)) by the sign of the first-order change of the *same* divergence D along the
 token's own policy-gradient step. In the free-logit idealization one ascent step on A * r moves the
 logits by eta * A * r * v with v = e_k - pi, so sign(Delta D) = sign(A * Ddot) (§3.2). For any

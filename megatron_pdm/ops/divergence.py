@@ -1,6 +1,6 @@
 """Top-K(+tail) and binary divergences between the rollout policy mu and the training policy pi.
 
-DPPO (algorithms.md §2.3) replaces PPO's ratio test |r - 1| > eps with a divergence between the
+DPPO (docs/math.md §2.3) replaces PPO's ratio test |r - 1| > eps with a divergence between the
 behavior policy mu (the rollout engine, which sampled the token) and the training policy pi. The
 engine only returns log mu on a small support S = TopK(mu) + {sampled token}, so the divergence is
 taken between two distributions over |S| + 1 buckets: every support token, plus one "tail" bucket
@@ -10,7 +10,7 @@ full-vocabulary divergences (triangle / log-sum inequality, §2.3).
 The Binary variants collapse the support to the sampled token k: buckets {k, not k}. They need no
 top-K data at all, only log pi_k, log mu_k and an accurate log(1 - p) for both policies.
 
-Numerical traps handled here (algorithms.md §6):
+Numerical traps handled here (docs/math.md §6):
   * mu_T = 1 - sum_S mu_i subtracts nearly equal numbers: accumulate in fp64, clamp to [0, 1].
   * 0 * log 0 = 0: every mu log mu term is guarded with `where(mu > 0, ...)`.
   * log(1 - mu_k) uses log1mexp (no `+ 1e-8` bias near mu_k -> 1); log(1 - pi_k) is passed in

@@ -1,6 +1,6 @@
 """The trust-region keep-mask and the DRPO weight, from (D, direction, advantage sign).
 
-Every method of the family factors into three independent axes (algorithms.md §2.1, §3.4, §4.2):
+Every method of the family factors into three independent axes (docs/math.md §2.1, §3.4, §4.2):
 
 * proximity: a divergence D compared with an advantage-sign-aware threshold delta(sign A)
   (|r - 1| for PPO/GRPO clipping, Binary/Top-K TV/KL for DPPO and PDM);

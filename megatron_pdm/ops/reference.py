@@ -4,7 +4,7 @@ Deliberately unoptimized: cast the full logits to fp64, `log_softmax`, gather at
 and take every sum over explicit [N, V] tensors (tail sums by masking, complements by masked
 sums, the TV rate from the full rho vector). It shares no code with the fused op or with
 ops/direction.py except the three elementary divergence definitions, which are independently
-checked against the algorithms.md §8.3 vector and by finite differences.
+checked against the docs/math.md §8.3 vector and by finite differences.
 
 Use it only on small vocabularies: it materializes several fp64 [N, V] tensors.
 

@@ -1,27 +1,23 @@
 """Input validation for token_stats: errors a user can cause, reported with the row and slot.
 
 Every check runs on the *replicated* inputs (sampled ids and the support arrays are identical on
-all TP ranks), so validation never adds a collective. Each failed check costs one host sync
-(`.any()` / `.nonzero()`), which is why token_stats exposes `validate=False` for hot loops whose
-data is already trusted (e.g. produced by rollout_bridge.packing, which runs the same checks).
+all TP ranks), so validation never adds a collective. It copies those small arrays to the host
+once, which is why token_stats exposes `validate=False` for hot loops whose data was already
+checked where it entered the system (rollout_bridge: every engine runs the same
+`ops/support.py:check_support` on each sample it produces).
 
-Checks (algorithms.md §3.9, §6): shapes and dtypes; 0 <= id < vocab_size on valid slots;
-no duplicate valid ids in a row; finite valid logprobs; sum_S mu <= 1 + 1e-4; the sampled id is
-a valid support entry on every row that has any valid slot; 0 <= sampled id < vocab_size.
+Checks: shapes, dtypes, vocabulary and temperature here; the support rules (docs/math.md §3.9,
+§6: id ranges, duplicates, finite logprobs, sum of mu, sampled token folded in) in
+`ops/support.py`, shared with the rollout engines.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["MU_SUM_TOLERANCE", "validate_token_inputs"]
+from megatron_pdm.ops.support import check_support
 
-MU_SUM_TOLERANCE = 1e-4
-"""Rows with sum_S mu > 1 + MU_SUM_TOLERANCE are rejected (temperature / top-p mismatch)."""
-
-
-def _first(mask: torch.Tensor) -> tuple[int, ...]:
-    return tuple(int(i) for i in mask.nonzero()[0])
+__all__ = ["validate_token_inputs"]
 
 
 def validate_token_inputs(
@@ -77,54 +73,7 @@ def validate_token_inputs(
         raise ValueError(f"support_logprobs: expected a float dtype, got {support_logprobs.dtype}")
     if n == 0:
         return
-
-    bad = (sampled_ids < 0) | (sampled_ids >= vocab_size)
-    if bool(bad.any()):
-        (row,) = _first(bad)
-        raise ValueError(
-            f"sampled_ids: row {row}: id {int(sampled_ids[row])} out of range [0, {vocab_size})"
-        )
-    ids = support_ids.long()
-    valid = support_valid
-    bad = valid & ((ids < 0) | (ids >= vocab_size))
-    if bool(bad.any()):
-        row, slot = _first(bad)
-        raise ValueError(
-            f"support_ids: row {row}, slot {slot}: id {int(ids[row, slot])} out of range "
-            f"[0, {vocab_size})"
-        )
-    bad = valid & ~torch.isfinite(support_logprobs)
-    if bool(bad.any()):
-        row, slot = _first(bad)
-        raise ValueError(
-            f"support_logprobs: row {row}, slot {slot}: non-finite valid logprob "
-            f"{float(support_logprobs[row, slot])}"
-        )
-    if ids.shape[1] > 1:
-        # Invalid slots get distinct negative sentinels so they never collide.
-        sentinel = -1 - torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-        keyed, order = torch.sort(torch.where(valid, ids, sentinel), dim=-1)
-        dup = keyed[:, 1:] == keyed[:, :-1]
-        if bool(dup.any()):
-            row, pos = _first(dup)
-            slots = sorted((int(order[row, pos]), int(order[row, pos + 1])))
-            raise ValueError(
-                f"support_ids: row {row}: duplicate valid id {int(keyed[row, pos])} "
-                f"in slots {slots[0]} and {slots[1]}"
-            )
-    mu_sum = torch.where(valid, support_logprobs.double().exp(), 0.0).sum(-1)
-    bad = mu_sum > 1.0 + MU_SUM_TOLERANCE
-    if bool(bad.any()):
-        (row,) = _first(bad)
-        raise ValueError(
-            f"support_logprobs: row {row}: sum of behavior probabilities {float(mu_sum[row]):.6f}"
-            f" > 1 + {MU_SUM_TOLERANCE}"
-        )
-    has_k = (valid & (ids == sampled_ids.long()[:, None])).any(-1)
-    bad = valid.any(-1) & ~has_k
-    if bool(bad.any()):
-        (row,) = _first(bad)
-        raise ValueError(
-            f"support_ids: row {row}: sampled id {int(sampled_ids[row])} is not a valid "
-            "support entry (fold the sampled token into the support)"
-        )
+    # One host copy of the small replicated arrays; the rules live in ops/support.py.
+    check_support(
+        support_ids.detach().cpu().numpy(), support_logprobs.detach().float().cpu().numpy(),
+        support_valid.detach().cpu().numpy(), sampled_ids.detach().cpu().numpy(), vocab_size)

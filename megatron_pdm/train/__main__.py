@@ -35,7 +35,6 @@ def main(argv=None) -> int:
     if args.output_dir:
         overrides.append(f"output_dir={args.output_dir}")
     cfg = RunConfig.load(args.config, overrides)
-    cfg.loss_config()  # validates preset and loss overrides before anything starts
     from megatron_pdm.train.logging_utils import setup_logging
 
     setup_logging()
@@ -46,11 +45,13 @@ def main(argv=None) -> int:
     from megatron_pdm.train.trainer import run_main
 
     run_main(cfg, resume=args.resume)
-    from megatron_pdm.megatron.parallel import destroy_parallel
+    from megatron_pdm.mcore.parallel import destroy_parallel
 
     destroy_parallel()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megatron_pdm.cli import run_cli
+
+    sys.exit(run_cli(main))

@@ -73,4 +73,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megatron_pdm.cli import run_cli
+
+    sys.exit(run_cli(main))

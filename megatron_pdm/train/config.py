@@ -1,21 +1,48 @@
-"""Run configuration of the RL driver: dataclasses, yaml loading, dotted CLI overrides.
+"""Run configuration of the RL driver: one typed tree, parsed by `megatron_pdm.configtree`.
 
 `RunConfig.load(path, overrides)` reads a yaml file whose top-level sections map onto the
-dataclasses below; an unknown key anywhere is a `ValueError` naming it. `overrides` are
-`dotted.key=value` strings (`--set train.lr=3e-5`) whose values are parsed as yaml scalars. The
-`loss` section is the core `PolicyLossConfig`: `loss.preset` picks a preset and every other
-`loss.*` key overrides a field of it.
+dataclasses below; `overrides` are `dotted.key=value` strings (`--set train.lr=3e-5`). Values
+are converted by field type, an unknown key anywhere is a `ConfigError` listing the valid keys of
+its section, and every section checks its own values (Literal fields, ranges) in `__post_init__`;
+rules that span sections live in `RunConfig.__post_init__`.
 
-Only our knobs live here; megatron's own settings are derived (model.py) from `model` + `parallel`.
+Two sections are the library's own types: `model` is `megatron_pdm.arch.Qwen3MoeArch` (the same
+dataclass the converter writes to `pdm_model.json`) and `loss` is
+`megatron_pdm.config.PolicyLossConfig` (`loss.preset` picks a preset, every other `loss.*` key
+overrides a field of it). Only our knobs live here; megatron's own settings are derived from
+`model` + `parallel` + `precision` (mcore/model.py, train/model_setup.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Literal
 
 import yaml
+
+from megatron_pdm.arch import Qwen3MoeArch
+from megatron_pdm.config import PolicyLossConfig
+from megatron_pdm.configtree import (
+    ConfigError,
+    apply_override,
+    check_fields,
+    from_mapping,
+    to_plain,
+)
+
+__all__ = [
+    "CheckpointConfig", "LogConfig", "ParallelConfig", "PrecisionConfig", "RolloutConfig",
+    "RunConfig", "TaskConfig", "TrainConfig", "WarmupConfig",
+]
+
+
+def _positive(section: str, obj, *names: str, allow_zero: bool = False) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and (value < 0 if allow_zero else value <= 0):
+            raise ConfigError(f"{section}.{name}={value!r} must be "
+                              f"{'>= 0' if allow_zero else '> 0'}")
 
 
 @dataclass(kw_only=True)
@@ -25,45 +52,19 @@ class ParallelConfig:
     ep: int = 1
     """Expert-parallel size (expert tensor parallel size is always 1)."""
     pp: int = 1
-    """Pipeline-parallel size (megatron's 1F1B schedule; needs rollout.engine=sglang)."""
+    """Pipeline-parallel size (megatron's 1F1B schedule; needs a server rollout engine)."""
     use_distributed_optimizer: bool = True
-    """megatron DistributedOptimizer (with the cpu-megatron.md §5.3 checkpoint workarounds);
-    False gives the plain FP32Optimizer."""
+    """megatron DistributedOptimizer (with the docs/cpu-megatron.md §5.3 checkpoint
+    workarounds); False gives the plain FP32Optimizer."""
 
-
-@dataclass(kw_only=True)
-class ModelConfig:
-    """Qwen3-MoE architecture in miniature.
-
-    With `checkpoint.load_dir` every field must agree with the checkpoint's `pdm_model.json`
-    (a mismatch is an error naming the field) unless `from_checkpoint` is true, in which case the
-    architecture is taken from the checkpoint and these values are ignored.
-    """
-
-    from_checkpoint: bool = False
-    """Take the architecture from checkpoint.load_dir's pdm_model.json."""
-    vocab_size: int | None = None
-    """Model vocabulary (None: the task tokenizer's, or the checkpoint's with load_dir)."""
-    hidden_size: int = 64
-    num_layers: int = 2
-    num_attention_heads: int = 4
-    num_query_groups: int = 2
-    head_dim: int = 16
-    num_experts: int = 4
-    moe_router_topk: int = 2
-    moe_ffn_hidden_size: int = 64
-    rotary_base: float = 1_000_000.0
-    norm_epsilon: float = 1e-6
-    max_position_embeddings: int = 64
-    make_vocab_size_divisible_by: int = 8
-    """Megatron pads the output vocab to a multiple of this x TP (the task vocab is not)."""
-    init_method_std: float = 0.02
-    moe_aux_loss_coeff: float = 0.0
+    def __post_init__(self) -> None:
+        check_fields(self, "parallel")
+        _positive("parallel", self, "tp", "ep", "pp")
 
 
 @dataclass(kw_only=True)
 class TaskConfig:
-    name: str = "addition"
+    name: Literal["addition", "jsonl"] = "addition"
     """"addition": a+b, zero-padded operands, answer digits least significant first;
     "jsonl": prompts from `path` tokenized with the HF tokenizer in `tokenizer_dir`."""
     path: str | None = None
@@ -73,12 +74,25 @@ class TaskConfig:
     eval_fraction: float = 0.0
     """jsonl: last fraction of the file held out for the greedy evaluation (0: no evaluation)."""
     num_digits: int = 2
-    """Digits per operand."""
+    """addition: digits per operand."""
     num_filler_tokens: int = 3
-    """Unused vocabulary entries (makes the vocabulary a non-multiple of megatron's padding)."""
+    """addition: unused vocabulary entries (makes the vocabulary a non-multiple of megatron's
+    padding)."""
     partial_credit: bool = False
     """addition: reward = fraction of answer positions (digits + eos) that are correct instead
     of exact match (a denser signal, used by tests on untrained models)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, "task")
+        _positive("task", self, "num_digits")
+        _positive("task", self, "num_filler_tokens", allow_zero=True)
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ConfigError(f"task.eval_fraction={self.eval_fraction} must be in [0, 1)")
+        if self.name == "jsonl":
+            missing = [k for k in ("path", "tokenizer_dir") if not getattr(self, k)]
+            if missing:
+                raise ConfigError("task.name=jsonl needs " +
+                                  " and ".join(f"task.{k}" for k in missing))
 
 
 @dataclass(kw_only=True)
@@ -88,13 +102,16 @@ class RolloutConfig:
     group_size: int = 8
     """Samples per prompt (n)."""
     temperature: float = 1.0
-    top_k: int = 8
-    """K of the rollout top-K support (S = K + 1)."""
-    rollout_precision: str | None = "bf16"
-    """Weights of the rollout copy: None (identical to training), "bf16" or "fp8". With SGLang:
-    the dtype of the exported weights (bf16; fp8 exports bf16 and the server quantises on load,
-    `launch_sglang.sh ROLLOUT_PRECISION=fp8`)."""
-    engine: str = "local"
+    """Sampling temperature. The rollout batch records it and the loss reads it from there."""
+    top_logprobs: int = 8
+    """K: how many top log-probs the engine returns per generated token (the behaviour support
+    is these K plus the sampled token, S = K + 1). Not a sampling truncation: sampling is never
+    truncated (top_k / top_p / min_p are refused)."""
+    rollout_precision: Literal["fp32", "bf16", "fp8"] | None = "bf16"
+    """Weights of the rollout copy: None/"fp32" (identical to training), "bf16" or "fp8". With a
+    server engine: the dtype of the exported weights (fp8 exports bf16 and the server quantises
+    on load, `launch_sglang.sh ROLLOUT_PRECISION=fp8`)."""
+    engine: Literal["local", "sglang"] = "local"
     """"local": LocalEngine over a megatron copy on every rank (CPU demo); "sglang": rank 0
     requests rollouts from SGLang servers and broadcasts them."""
     sglang_url: str | None = None
@@ -107,15 +124,29 @@ class RolloutConfig:
     max_new_tokens: int | None = None
     """Response cap (None: max_sequence_length - prompt length, or the task's answer length)."""
     sync_at_start: bool = True
-    """engine=sglang: push the trainer's initial weights (version "0") before the first
+    """Server engines: push the trainer's initial weights (version "0") before the first
     rollout, so rollout and training start from identical weights."""
     timeout_s: float = 600.0
-    """engine=sglang: total timeout of one /generate request."""
+    """Server engines: total timeout of one generation request."""
     max_retries: int = 3
-    topk_transport: str = "json"
+    """Server engines: retries of a failed sample before it is reported as failed."""
+    topk_transport: Literal["json", "flat_b64", "scoring_b64"] = "json"
     """engine=sglang: "json", "flat_b64" or "scoring_b64" (README, "Binary top-K path")."""
     keep_synced: int = 2
     """engine=sglang: exported weight directories kept on disk (older ones are deleted)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, "rollout")
+        _positive("rollout", self, "prompts_per_iteration", "group_size", "timeout_s",
+                  "max_sequence_length", "max_new_tokens", "keep_synced")
+        _positive("rollout", self, "temperature")
+        _positive("rollout", self, "top_logprobs", "max_retries",
+                  allow_zero=True)
+        if self.engine == "sglang":
+            missing = [k for k in ("sglang_url", "hf_checkpoint") if not getattr(self, k)]
+            if missing:
+                raise ConfigError("rollout.engine=sglang needs " +
+                                  " and ".join(f"rollout.{k}" for k in missing))
 
 
 @dataclass(kw_only=True)
@@ -124,6 +155,11 @@ class WarmupConfig:
     """Supervised steps on correct answers before RL (gives a non-zero starting reward)."""
     batch_size: int = 64
     lr: float = 3e-3
+
+    def __post_init__(self) -> None:
+        check_fields(self, "warmup")
+        _positive("warmup", self, "steps", allow_zero=True)
+        _positive("warmup", self, "batch_size", "lr")
 
 
 @dataclass(kw_only=True)
@@ -140,19 +176,31 @@ class TrainConfig:
     adam_beta2: float = 0.99
     eval_prompts: int = 256
     """Held-out prompts for the greedy exact-match evaluation before/after warm-up and RL."""
-    recompute: str = "none"
+    recompute: Literal["none", "full", "selective"] = "none"
     """Activation recomputation: "none", "full" (every layer, uniform) or "selective"
     (core attention)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, "train")
+        _positive("train", self, "iterations", "minibatches_per_iteration",
+                  "microbatches_per_minibatch", "lr")
+        _positive("train", self, "weight_decay", "clip_grad", "eval_prompts", allow_zero=True)
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"train.{name}={getattr(self, name)} must be in [0, 1)")
 
 
 @dataclass(kw_only=True)
 class PrecisionConfig:
-    params_dtype: str = "fp32"
+    params_dtype: Literal["fp32", "bf16"] = "fp32"
     """"fp32" or "bf16" (megatron bf16 params with fp32 main grads and fp32 Adam state)."""
-    fp8: str | None = None
+    fp8: Literal["e4m3", "hybrid"] | None = None
     """None, "e4m3" or "hybrid" (Transformer Engine FP8 linear layers; CUDA + TE only)."""
-    fp8_recipe: str = "delayed"
-    """"delayed", "tensorwise", "blockwise" or "mxfp8" (megatron's fp8_recipe names)."""
+    fp8_recipe: Literal["delayed", "tensorwise", "blockwise", "mxfp8"] = "delayed"
+    """megatron's fp8_recipe names."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, "precision")
 
 
 @dataclass(kw_only=True)
@@ -163,8 +211,15 @@ class CheckpointConfig:
     load_dir: str | None = None
     """Initial weights: a dist checkpoint written by tools/convert_hf_to_megatron.py (with its
     pdm_model.json), loaded at this run's layout. `--resume` from output_dir wins over it."""
-    stop_after_iterations: int | None = None
-    """Exit after this many iterations of this invocation (simulates an interruption)."""
+    arch_from_load_dir: bool = False
+    """Take the architecture from load_dir's pdm_model.json instead of the `model` section
+    (otherwise every weight-shaping field of `model` must agree with it)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, "checkpoint")
+        _positive("checkpoint", self, "save_interval", "keep_last", allow_zero=True)
+        if self.arch_from_load_dir and not self.load_dir:
+            raise ConfigError("checkpoint.arch_from_load_dir=true needs checkpoint.load_dir")
 
 
 @dataclass(kw_only=True)
@@ -173,128 +228,58 @@ class LogConfig:
     plot: bool = True
     progress: bool = True
 
+    def __post_init__(self) -> None:
+        check_fields(self, "log")
+
 
 @dataclass(kw_only=True)
 class RunConfig:
     seed: int = 1234
     output_dir: str = "runs/tiny_cpu"
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: Qwen3MoeArch = field(default_factory=Qwen3MoeArch)
     task: TaskConfig = field(default_factory=TaskConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
-    loss: dict = field(default_factory=lambda: {"preset": "pdm-agg"})
-    """`preset` plus optional PolicyLossConfig field overrides."""
+    loss: PolicyLossConfig = field(default_factory=lambda: PolicyLossConfig.preset("pdm-agg"))
+    """The trust-region method: `preset` plus optional PolicyLossConfig field overrides."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.parallel.pp > 1 and self.rollout.engine == "local":
+            raise ConfigError(
+                f"parallel.pp={self.parallel.pp} needs a server rollout engine: the local engine "
+                "copy would need a pipeline schedule per decode step (rollout.engine=sglang)")
+
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The resolved tree as plain data (what `save` writes)."""
+        return to_plain(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "RunConfig":
-        cfg = _build(cls, data, "")
-        cfg.validate()
-        return cfg
-
-    def validate(self) -> None:
-        """Refuses unknown enum values and inconsistent settings (all problems at once)."""
-        problems = []
-        for key, value, allowed in (
-                ("rollout.engine", self.rollout.engine, ("local", "sglang")),
-                ("rollout.rollout_precision", self.rollout.rollout_precision,
-                 (None, "fp32", "bf16", "fp8")),
-                ("rollout.topk_transport", self.rollout.topk_transport,
-                 ("json", "flat_b64", "scoring_b64")),
-                ("precision.params_dtype", self.precision.params_dtype, ("fp32", "bf16")),
-                ("precision.fp8", self.precision.fp8, (None, "e4m3", "hybrid")),
-                ("precision.fp8_recipe", self.precision.fp8_recipe,
-                 ("delayed", "tensorwise", "blockwise", "mxfp8")),
-                ("train.recompute", self.train.recompute, ("none", "full", "selective")),
-                ("task.name", self.task.name, ("addition", "jsonl"))):
-            if value not in allowed:
-                problems.append(f"{key}={value!r}, expected one of {list(allowed)}")
-        for key, value in (("parallel.tp", self.parallel.tp), ("parallel.ep", self.parallel.ep),
-                           ("parallel.pp", self.parallel.pp)):
-            if not isinstance(value, int) or value < 1:
-                problems.append(f"{key}={value!r}, expected an integer >= 1")
-        if self.rollout.engine == "sglang":
-            for key in ("sglang_url", "hf_checkpoint"):
-                if not getattr(self.rollout, key):
-                    problems.append(f"rollout.engine=sglang needs rollout.{key}")
-        if self.task.name == "jsonl":
-            for key in ("path", "tokenizer_dir"):
-                if not getattr(self.task, key):
-                    problems.append(f"task.name=jsonl needs task.{key}")
-        if self.model.from_checkpoint and not self.checkpoint.load_dir:
-            problems.append("model.from_checkpoint=true needs checkpoint.load_dir")
-        if problems:
-            raise ValueError("invalid config:\n  " + "\n  ".join(problems))
+    def from_dict(cls, data: dict) -> RunConfig:
+        return from_mapping(cls, data)
 
     @classmethod
-    def load(cls, path: str | None, overrides: list[str] | None = None) -> "RunConfig":
+    def load(cls, path: str | None, overrides: list[str] | None = None) -> RunConfig:
+        """yaml file (optional) + `dotted.key=value` overrides -> a validated RunConfig."""
         data: dict = {}
         if path:
-            with open(path) as f:
-                data = yaml.safe_load(f) or {}
+            try:
+                data = yaml.safe_load(Path(path).read_text()) or {}
+            except FileNotFoundError:
+                raise ConfigError(f"config file {path} not found") from None
+            except yaml.YAMLError as err:
+                raise ConfigError(f"{path}: not valid yaml: {err}") from None
+            if not isinstance(data, dict):
+                raise ConfigError(f"{path}: expected a mapping at top level")
         for item in overrides or []:
             apply_override(data, item)
         return cls.from_dict(data)
 
-    def loss_config(self):
-        """The core `PolicyLossConfig` of `loss` (preset + overrides)."""
-        from megatron_pdm.config import PolicyLossConfig
-
-        d = dict(self.loss)
-        preset = d.pop("preset", "pdm-agg")
-        return PolicyLossConfig.preset(preset, **d)
-
-
-def _build(cls, data: Any, prefix: str):
-    if not isinstance(data, dict):
-        raise ValueError(f"config section {prefix or '<root>'} must be a mapping, got {data!r}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        raise ValueError(f"unknown config key(s) {[prefix + k for k in unknown]}; "
-                         f"known in {prefix or '<root>'}: {sorted(fields)}")
-    kwargs = {}
-    for name, value in data.items():
-        f = fields[name]
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
-        if dataclasses.is_dataclass(default):
-            kwargs[name] = _build(type(default), value, prefix + name + ".")
-        elif name == "loss":
-            if not isinstance(value, dict):
-                raise ValueError(f"loss must be a mapping, got {value!r}")
-            kwargs[name] = value
-        else:
-            kwargs[name] = _coerce(value, f.default, prefix + name)
-    return cls(**kwargs)
-
-
-def _coerce(value: Any, default: Any, key: str) -> Any:
-    """yaml reads `1e-4` (no dot) as a string: turn numeric strings into the field's type."""
-    if isinstance(default, float) and isinstance(value, (str, int)) and not isinstance(
-            value, bool):
-        try:
-            return float(value)
-        except ValueError:
-            raise ValueError(f"{key}: expected a number, got {value!r}") from None
-    return value
-
-
-def apply_override(data: dict, item: str) -> None:
-    """Applies one `dotted.key=value` override (value parsed as a yaml scalar) to `data`."""
-    if "=" not in item:
-        raise ValueError(f"override {item!r} is not of the form dotted.key=value")
-    key, raw = item.split("=", 1)
-    parts = key.strip().split(".")
-    node = data
-    for p in parts[:-1]:
-        node = node.setdefault(p, {})
-        if not isinstance(node, dict):
-            raise ValueError(f"override {item!r}: {p} is not a section")
-    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+    def save(self, path: str | Path) -> None:
+        """Writes the resolved config as yaml (loadable with `RunConfig.load`)."""
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))

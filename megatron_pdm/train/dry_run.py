@@ -2,7 +2,8 @@
 
 Never initialises torch.distributed and never builds the model: it only reads the config and
 calls megatron_pdm.layout (`validate_layout`, `estimate_memory`, `format_report`). The world size
-is torchrun's WORLD_SIZE when set, else the smallest world for the layout (PP x lcm(TP, EP)).
+is torchrun's WORLD_SIZE when set, else the smallest world for the layout
+(`megatron_pdm.arch.min_world_size`).
 
 Architecture: the checkpoint's `pdm_model.json` when `checkpoint.load_dir` exists on this machine
 (checked against the model section like a real run), else the model section; the vocabulary is
@@ -13,9 +14,11 @@ Sequence length: `rollout.max_sequence_length`, else the task's prompt + answer 
 from __future__ import annotations
 
 import logging
-import math
 import os
 
+from megatron_pdm.arch import min_world_size
+
+from megatron_pdm.configtree import ConfigError
 from megatron_pdm.train.config import RunConfig
 
 logger = logging.getLogger(__name__)
@@ -60,10 +63,10 @@ def dry_run(cfg: RunConfig) -> int:
         if rank0:
             print(f"dry run: {err}", flush=True)
         return 2
-    world = int(os.environ.get("WORLD_SIZE", p.pp * math.lcm(p.tp, p.ep)))
+    world = int(os.environ.get("WORLD_SIZE", min_world_size(tp=p.tp, pp=p.pp, ep=p.ep)))
     try:
         lay = layout.validate_layout(arch, world_size=world, tp=p.tp, pp=p.pp, ep=p.ep, etp=1)
-    except ValueError as err:
+    except ConfigError as err:
         if rank0:
             print(f"dry run: invalid layout\n{err}", flush=True)
         return 2

@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import os
+import warnings
 
 import torch.distributed as dist
 
@@ -29,8 +30,11 @@ def log_rank0(msg: str, *args, level: int = logging.INFO) -> None:
 
 
 def setup_logging(level: int = logging.INFO) -> None:
-    # Non-zero ranks only report warnings: every rank runs the same loop.
+    # Non-zero ranks only report warnings: every rank runs the same loop. Python warnings (from
+    # megatron-core and torch) are shown by rank 0 only, once per call site, not once per rank.
     rank = int(os.environ.get("RANK", "0"))
+    if rank != 0:
+        warnings.simplefilter("ignore")
     logging.basicConfig(level=level if rank == 0 else logging.WARNING,
                         format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     logging.getLogger("rollout_bridge").setLevel(logging.WARNING)  # one line per weight sync

@@ -2,8 +2,9 @@
 
 - `resolve_arch`: the `Qwen3MoeArch` of the run. Without `checkpoint.load_dir` it is the `model`
   section (vocabulary: `model.vocab_size` or the task tokenizer's). With `load_dir` it is the
-  checkpoint's `pdm_model.json` arch: `model.from_checkpoint: true` takes it as is, otherwise
-  every field of the `model` section must agree with it (`ArchMismatchError` names each field).
+  checkpoint's `pdm_model.json` arch: `checkpoint.arch_from_load_dir: true` takes it as is,
+  otherwise every weight-shaping field of the `model` section must agree with it
+  (`ArchMismatchError` names each field).
   The task's vocabulary must fit into the model's (ids beyond it are never produced).
 - `megatron_kwargs`: `precision.*` and `train.recompute` -> TransformerConfig fields:
   params_dtype fp32|bf16 (bf16: `bf16=True`, fp32 main grads and Adam in the optimizer),
@@ -22,18 +23,16 @@ import os
 
 import torch
 
+from megatron_pdm.arch import Qwen3MoeArch
+from megatron_pdm.configtree import ConfigError
 from megatron_pdm.train.config import RunConfig
 
 logger = logging.getLogger(__name__)
 
-ARCH_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads",
-               "num_query_groups", "head_dim", "num_experts", "moe_router_topk",
-               "moe_ffn_hidden_size", "rotary_base", "norm_epsilon", "max_position_embeddings",
-               "make_vocab_size_divisible_by")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-class ArchMismatchError(ValueError):
+class ArchMismatchError(ConfigError):
     """The config's model section disagrees with the checkpoint's architecture."""
 
 
@@ -43,36 +42,29 @@ def read_checkpoint_meta(load_dir: str) -> dict:
     return read_meta(load_dir)
 
 
-def resolve_arch(cfg: RunConfig, task_vocab: int, *, meta: dict | None = None):
+def resolve_arch(cfg: RunConfig, task_vocab: int, *, meta: dict | None = None) -> Qwen3MoeArch:
     """The run's Qwen3MoeArch (see module docstring). `meta`: pdm_model.json, if loading."""
-    from megatron_pdm.megatron.model import Qwen3MoeArch
-
-    m = cfg.model
+    model = cfg.model
     if meta is not None:
-        ckpt = Qwen3MoeArch.from_dict(meta["arch"])
-        if not m.from_checkpoint:
-            diffs = []
-            for name in ARCH_FIELDS:
-                mine = getattr(m, name)
-                if name == "vocab_size" and mine is None:
-                    continue
-                theirs = getattr(ckpt, name)
-                if (float(mine) != float(theirs)) if isinstance(theirs, float) else \
-                        mine != theirs:
-                    diffs.append(f"model.{name}={mine!r}, checkpoint has {theirs!r}")
+        ckpt = Qwen3MoeArch.from_dict(meta["arch"],
+                                      path=f"{cfg.checkpoint.load_dir}/pdm_model.json")
+        if cfg.checkpoint.arch_from_load_dir:
+            # the non-weight fields (init scale, aux-loss coefficient) still come from the config
+            arch = dataclasses.replace(ckpt, init_method_std=model.init_method_std,
+                                       moe_aux_loss_coeff=model.moe_aux_loss_coeff)
+        else:
+            diffs = model.differences(ckpt)
             if diffs:
                 raise ArchMismatchError(
                     f"model section disagrees with {cfg.checkpoint.load_dir}/pdm_model.json:\n  "
                     + "\n  ".join(diffs)
-                    + "\n(fix the model section or set model.from_checkpoint=true)")
-        arch = ckpt
+                    + "\n(fix the model section or set checkpoint.arch_from_load_dir=true)")
+            arch = dataclasses.replace(model, vocab_size=ckpt.vocab_size)
     else:
-        vocab = m.vocab_size if m.vocab_size is not None else task_vocab
-        arch = Qwen3MoeArch(**{name: (vocab if name == "vocab_size" else getattr(m, name))
-                               for name in ARCH_FIELDS})
-    if task_vocab > arch.vocab_size:
-        raise ValueError(f"task vocabulary ({task_vocab}) is larger than the model's "
-                         f"({arch.vocab_size})")
+        arch = dataclasses.replace(model, vocab_size=model.vocab_size or task_vocab)
+    if task_vocab > arch.require_vocab():
+        raise ConfigError(f"task vocabulary ({task_vocab}) is larger than the model's "
+                          f"({arch.vocab_size})")
     return arch
 
 
@@ -139,7 +131,6 @@ def load_initial_weights(module: torch.nn.Module, load_dir: str, meta: dict, *, 
     from megatron.core import dist_checkpointing
 
     from megatron_pdm.convert.checkpoint import check_vocab_padding, rename_for_key_style
-    from megatron_pdm.megatron.model import Qwen3MoeArch
 
     arch = Qwen3MoeArch.from_dict(meta["arch"])
     check_vocab_padding(arch, meta["layout_at_import"]["tp"], tp)
@@ -151,7 +142,3 @@ def load_initial_weights(module: torch.nn.Module, load_dir: str, meta: dict, *, 
         raise ValueError(f"{load_dir}: checkpoint/model mismatch: missing={missing} "
                          f"unexpected={unexpected}")
     logger.info("loaded initial weights from %s", os.path.abspath(load_dir))
-
-
-def arch_to_dict(arch) -> dict:
-    return dataclasses.asdict(arch)

@@ -124,7 +124,7 @@ def finish(cfg, evals: dict, wall_s: float) -> dict:
     """Rank 0: plot, summary.json, summary.md; prints the table. Returns the summary."""
     rows = read_metrics(os.path.join(cfg.output_dir, "metrics.jsonl"))
     summary = summarize(rows, evals, wall_s)
-    summary["preset"] = cfg.loss.get("preset", "")
+    summary["preset"] = cfg.loss.name or "custom"
     if cfg.log.plot and rows:
         plot_runs({summary["preset"]: rows}, os.path.join(cfg.output_dir, "plot.png"),
                   title=f"{summary['preset']} (seed {cfg.seed})")

@@ -59,12 +59,30 @@ def engine_weights(trainer_module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {f"gpt.{name}": p.detach() for name, p in trainer_module.named_parameters()}
 
 
-def build_engine(rollout_gpt: torch.nn.Module, *, vocab_size: int, top_k: int, seed: int,
-                 rollout_precision: str | None, eos_id: int, pad_id: int,
+def build_rollout(cfg, arch, tconfig, task, trainer_module_fn, *, meta: dict | None):
+    """The run's rollout source: `LocalRollout` (engine copy on every rank) or `SGLangRollout`."""
+    from megatron_pdm.train import model_setup as ms
+
+    r = cfg.rollout
+    if r.engine == "sglang":
+        from megatron_pdm.train.sglang_rollout import SGLangRollout
+
+        return SGLangRollout(cfg, arch, trainer_module_fn, meta=meta, style=ms.key_style(cfg))
+    from megatron_pdm.mcore.model import build_model
+
+    rollout_gpt = build_model(arch, tconfig, use_te=ms.use_te(cfg))
+    engine = build_engine(rollout_gpt, vocab_size=arch.vocab_size, top_logprobs=r.top_logprobs,
+                          seed=cfg.seed, rollout_precision=r.rollout_precision,
+                          eos_id=task.eos_id, pad_id=task.pad_id, tp_size=cfg.parallel.tp)
+    return LocalRollout(engine, trainer_module_fn)
+
+
+def build_engine(rollout_gpt: torch.nn.Module, *, vocab_size: int, top_logprobs: int,
+                 seed: int, rollout_precision: str | None, eos_id: int, pad_id: int,
                  tp_size: int) -> LocalEngine:
     model = GatheredGPT(rollout_gpt, pad_id=pad_id, tp_size=tp_size).eval()
     # Precision is applied by every update_weights; the trainer syncs before the first rollout.
-    engine = LocalEngine(model, vocab_size=vocab_size, top_k=top_k, seed=seed,
+    engine = LocalEngine(model, vocab_size=vocab_size, top_logprobs=top_logprobs, seed=seed,
                          rollout_precision=None, eos_token_id=eos_id, pad_token_id=pad_id,
                          max_batch_size=1 << 20)
     engine.rollout_precision = rollout_precision

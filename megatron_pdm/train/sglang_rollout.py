@@ -21,7 +21,7 @@ about 3 x 61 GB of file I/O per iteration, i.e. minutes on a shared file system,
 rank 0's export. The export dtype is bf16 for rollout_precision bf16/fp8 (fp8: the servers
 quantise on load, `--quantization fp8`), else the training dtype. A production system would
 broadcast the gathered tensors over NCCL instead (`SGLangEngine.update_weights_from_distributed`,
-ecosystem.md §1.5); that path is not wired into the driver.
+docs/engines.md); that path is not wired into the driver.
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ class SGLangRollout:
 
             os.makedirs(self.root, exist_ok=True)
             self.client = SGLangEngine(
-                r.sglang_url, top_k=r.top_k, timeout_s=r.timeout_s, max_retries=r.max_retries,
+                r.sglang_url, top_logprobs=r.top_logprobs, timeout_s=r.timeout_s,
+                max_retries=r.max_retries,
                 seed=cfg.seed, vocab_size=arch.vocab_size, raise_on_failure=True,
                 topk_transport=r.topk_transport)
         self._on_rank0(lambda: self.client.check_server())
@@ -115,7 +116,7 @@ class SGLangRollout:
 
     def sync(self, version: str) -> None:
         """Collective: export the current weights and push them to the servers as `version`."""
-        from megatron_pdm.megatron.checkpoint import save_model
+        from megatron_pdm.mcore.checkpoint import save_model
 
         t0 = time.time()
         scratch = os.path.join(self.root, f".dist_v{version}")

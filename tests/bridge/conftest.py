@@ -52,12 +52,12 @@ def tiny_model() -> TinyLM:
 
 @pytest.fixture
 def local_engine(tiny_model) -> LocalEngine:
-    return LocalEngine(tiny_model, vocab_size=VOCAB, top_k=5, seed=0, eos_token_id=3)
+    return LocalEngine(tiny_model, vocab_size=VOCAB, top_logprobs=5, seed=0, eos_token_id=3)
 
 
 @pytest.fixture
 def server(tiny_model):
-    srv = FakeSGLangServer(LocalEngine(TinyLM(), vocab_size=VOCAB, top_k=5, seed=1,
+    srv = FakeSGLangServer(LocalEngine(TinyLM(), vocab_size=VOCAB, top_logprobs=5, seed=1,
                                        eos_token_id=3))
     srv.start()
     yield srv

@@ -1,7 +1,7 @@
 """A real HTTP server speaking SGLang's native protocol, backed by `LocalEngine`, for tests.
 
 What: aiohttp app on 127.0.0.1 (free port) in a background thread implementing /generate (nested
-`[logprob, id, null]` triples, batch -> list, exactly the shapes of ecosystem.md §(c)), the flat
+`[logprob, id, null]` triples, batch -> list, the SGLang shapes of docs/engines.md), the flat
 base64 prompt-side top-K of scoring requests, /health, /get_model_info, /get_weight_version,
 /pause_generation, /continue_generation, /update_weights_from_disk (safetensors into the engine),
 /update_weights_from_tensor, the distributed-update endpoints, plus per-request fault injection.
@@ -259,12 +259,12 @@ class FakeSGLangServer:
         with self._lock:
             if self.deterministic_seeds:
                 self.engine._calls = zlib.crc32(repr((list(prompt), seed_key)).encode())
-            saved_k = self.engine.top_k
-            self.engine.top_k = max(k, 0)
+            saved_k = self.engine.top_logprobs
+            self.engine.top_logprobs = max(k, 0)
             try:
                 s = self.engine.generate([prompt], gen_params, n=1).samples[0]
             finally:
-                self.engine.top_k = saved_k
+                self.engine.top_logprobs = saved_k
         resp = s.response_ids.tolist()
         lp = s.behavior_logprob.tolist()
         t = len(resp)
@@ -387,13 +387,14 @@ class HFModelEngine(LocalEngine):
     sequence's last token cannot change its logits).
     """
 
-    def __init__(self, model_path: str, *, top_k: int = 0, seed: int = 0,
+    def __init__(self, model_path: str, *, top_logprobs: int = 0, seed: int = 0,
                  eos_token_id: int | None = None, dtype: torch.dtype = torch.float32,
                  weight_version: str = "0"):
         self.dtype = dtype
         self.model_path = model_path
         model = load_hf_causal_lm(model_path, dtype)
-        super().__init__(model, vocab_size=model.config.vocab_size, top_k=top_k, seed=seed,
+        super().__init__(model, vocab_size=model.config.vocab_size, top_logprobs=top_logprobs,
+                         seed=seed,
                          eos_token_id=eos_token_id, max_batch_size=256,
                          weight_version=weight_version)
         self.loaded_paths = [model_path]

@@ -17,7 +17,7 @@ from rollout_bridge import LocalEngine, RolloutEngine, SamplingParamsError
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_topk_round_trip(tiny_model, temperature):
     k = 6
-    eng = LocalEngine(tiny_model, vocab_size=VOCAB, top_k=k, seed=3)
+    eng = LocalEngine(tiny_model, vocab_size=VOCAB, top_logprobs=k, seed=3)
     batch = eng.generate(prompts(3), {"temperature": temperature, "max_new_tokens": 6}, n=2)
     assert batch.temperature == temperature and len(batch) == 6
     for s in batch.samples:
@@ -37,14 +37,14 @@ def test_topk_round_trip(tiny_model, temperature):
 
 
 def test_protocol_and_determinism(tiny_model):
-    a = LocalEngine(tiny_model, vocab_size=VOCAB, top_k=4, seed=11)
-    b = LocalEngine(TinyLM(), vocab_size=VOCAB, top_k=4, seed=11)
+    a = LocalEngine(tiny_model, vocab_size=VOCAB, top_logprobs=4, seed=11)
+    b = LocalEngine(TinyLM(), vocab_size=VOCAB, top_logprobs=4, seed=11)
     assert isinstance(a, RolloutEngine)
     params = {"temperature": 1.0, "max_new_tokens": 10}
     for _ in range(2):  # lockstep calls (what TP ranks do) sample identically
         ra, rb = a.generate(prompts(4), params, n=3), b.generate(prompts(4), params, n=3)
         assert [s.response_ids.tolist() for s in ra] == [s.response_ids.tolist() for s in rb]
-    c = LocalEngine(TinyLM(), vocab_size=VOCAB, top_k=4, seed=12)
+    c = LocalEngine(TinyLM(), vocab_size=VOCAB, top_logprobs=4, seed=12)
     rc = c.generate(prompts(4), params, n=3)
     assert [s.response_ids.tolist() for s in rc] != [s.response_ids.tolist() for s in ra]
     groups = [(s.prompt_index, s.sample_index, s.group_index) for s in ra]
@@ -52,10 +52,10 @@ def test_protocol_and_determinism(tiny_model):
 
 
 def test_stop_and_length(tiny_model):
-    eng = LocalEngine(tiny_model, vocab_size=VOCAB, top_k=3, seed=0)
+    eng = LocalEngine(tiny_model, vocab_size=VOCAB, top_logprobs=3, seed=0)
     greedy = eng.generate(prompts(2), {"temperature": 0.0, "max_new_tokens": 5})
     first = greedy.samples[0].response_ids[0].item()
-    eng_eos = LocalEngine(tiny_model, vocab_size=VOCAB, top_k=3, seed=0, eos_token_id=first)
+    eng_eos = LocalEngine(tiny_model, vocab_size=VOCAB, top_logprobs=3, seed=0, eos_token_id=first)
     out = eng_eos.generate(prompts(2), {"temperature": 0.0, "max_new_tokens": 5})
     assert out.samples[0].finish_reason == "stop" and out.samples[0].num_tokens == 1
     assert greedy.samples[0].finish_reason == "length" and greedy.samples[0].num_tokens == 5
@@ -65,11 +65,11 @@ def test_stop_and_length(tiny_model):
 
 
 def test_truncated_sampling_refused(tiny_model):
-    eng = LocalEngine(tiny_model, vocab_size=VOCAB, top_k=3)
+    eng = LocalEngine(tiny_model, vocab_size=VOCAB, top_logprobs=3)
     for bad in ({"top_p": 0.9}, {"top_k": 20}, {"min_p": 0.1}):
         with pytest.raises(SamplingParamsError):
             eng.generate(prompts(1), {"max_new_tokens": 2, **bad})
-    ok = LocalEngine(tiny_model, vocab_size=VOCAB, top_k=3, allow_truncated_sampling=True)
+    ok = LocalEngine(tiny_model, vocab_size=VOCAB, top_logprobs=3, allow_truncated_sampling=True)
     out = ok.generate(prompts(2), {"max_new_tokens": 6, "top_k": 2}, n=2)
     for s in out.samples:  # sampled only among the 2 most likely tokens
         assert (s.support_ids[:, :2].long() == s.response_ids[:, None]).any(1).all()
@@ -78,7 +78,8 @@ def test_truncated_sampling_refused(tiny_model):
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_rollout_precision_differs_but_close(tiny_model, precision):
     trainer = TinyLM()
-    eng = LocalEngine.from_policy(trainer, vocab_size=VOCAB, top_k=4, rollout_precision=precision)
+    eng = LocalEngine.from_policy(trainer, vocab_size=VOCAB, top_logprobs=4,
+                                  rollout_precision=precision)
     w_t, w_e = trainer.out.weight, eng.model.out.weight
     assert not torch.equal(w_t, w_e)
     tol = 8e-3 if precision == "bf16" else 7e-2
@@ -99,7 +100,7 @@ def test_rollout_precision_differs_but_close(tiny_model, precision):
 
 
 def test_update_weights_strict_and_auto_version(tiny_model):
-    eng = LocalEngine(tiny_model, vocab_size=VOCAB, top_k=2)
+    eng = LocalEngine(tiny_model, vocab_size=VOCAB, top_logprobs=2)
     with pytest.raises(KeyError):
         eng.update_weights({"nope": torch.zeros(1)})
     assert eng.update_weights(list(TinyLM(seed=5).named_parameters())) == "1"

@@ -13,7 +13,7 @@ from rollout_bridge import LocalEngine, group_advantages, pack_padded, pack_thd
 
 @pytest.fixture
 def batch(tiny_model):
-    eng = LocalEngine(tiny_model, vocab_size=50, top_k=3, seed=0, eos_token_id=3)
+    eng = LocalEngine(tiny_model, vocab_size=50, top_logprobs=3, seed=0, eos_token_id=3)
     b = eng.generate(prompts(3), {"max_new_tokens": 6}, n=2)
     b.set_rewards([float(i % 3) for i in range(len(b))])
     b.samples[1].loss_mask[0] = False  # a masked response token

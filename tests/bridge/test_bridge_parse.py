@@ -1,7 +1,7 @@
 """Parser tests: the recorded-shape fixture, support folding (hypothesis) and validation errors.
 
 Compares parse_generate_response against hand-derived expectations (fixture) and against a
-straightforward per-position Python reference of algorithms.md §3.9 (hypothesis), exactly.
+straightforward per-position Python reference of docs/math.md §3.9 (hypothesis), exactly.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def _body(outputs, tops, output_ids=None, **meta):
 
 def test_fixture_layout():
     with open(ASSET, "rb") as f:
-        samples = parse_generate_response(f.read(), top_k=3, vocab_size=151936)
+        samples = parse_generate_response(f.read(), top_logprobs=3, vocab_size=151936)
     assert len(samples) == 2
     s0, s1 = samples
     assert s0.finish_reason == "stop" and s1.finish_reason == "length"
@@ -110,7 +110,8 @@ def _case(draw):
 @given(_case())
 def test_folding_matches_reference(case):
     vocab, k, outputs, tops = case
-    (s,) = parse_generate_response(orjson.dumps(_body(outputs, tops)), top_k=k, vocab_size=vocab)
+    (s,) = parse_generate_response(orjson.dumps(_body(outputs, tops)), top_logprobs=k,
+                                   vocab_size=vocab)
     ids, lps, valid = _reference(outputs, tops, k)
     assert s.support_valid.numpy().tolist() == valid.tolist()
     np.testing.assert_array_equal(np.where(valid, s.support_ids.numpy(), -1),
@@ -128,20 +129,20 @@ def test_folding_matches_reference(case):
 
 def test_unsorted_topk_is_put_in_rank_order():
     body = _body([(-2.0, 5)], [[(-3.0, 1), (-0.5, 2), (-2.0, 5)]])
-    (s,) = parse_generate_response(orjson.dumps(body), top_k=3, vocab_size=10)
+    (s,) = parse_generate_response(orjson.dumps(body), top_logprobs=3, vocab_size=10)
     assert s.support_ids[0].tolist() == [2, 5, 1, 0]
 
 
 def test_k0_sampled_only():
     body = _body([(-0.5, 4), (-0.1, 1)], None)
-    (s,) = parse_generate_response(orjson.dumps(body), top_k=0)
+    (s,) = parse_generate_response(orjson.dumps(body), top_logprobs=0)
     assert s.support_ids.tolist() == [[4], [1]] and s.support_valid.all()
 
 
 def test_stdlib_json_neg_infinity_becomes_invalid_slot():
     body = _body([(-0.5, 4)], [[(-0.5, 4), (-1.0, 2)]])
     body["meta_info"]["output_top_logprobs"][0][1][0] = float("-inf")
-    (s,) = parse_generate_response(json.dumps(body), top_k=2, vocab_size=10)
+    (s,) = parse_generate_response(json.dumps(body), top_logprobs=2, vocab_size=10)
     assert s.support_valid[0].tolist() == [True, False, False]
     assert s.meta_info["num_neg_inf_slots"] == 1
 
@@ -149,7 +150,7 @@ def test_stdlib_json_neg_infinity_becomes_invalid_slot():
 def _err(body, k=3, vocab=10) -> RolloutValidationError:
     with pytest.raises(RolloutValidationError) as info:
         parse_generate_response(orjson.dumps(body) if not isinstance(body, bytes) else body,
-                                top_k=k, vocab_size=vocab)
+                                top_logprobs=k, vocab_size=vocab)
     return info.value
 
 
@@ -158,7 +159,7 @@ GOOD_OUT = [(-0.5, 1), (-2.0, 4), (-3.0, 7)]
 
 
 def test_good_case_parses():
-    parse_generate_response(orjson.dumps(_body(GOOD_OUT, GOOD_TOP)), top_k=2, vocab_size=10)
+    parse_generate_response(orjson.dumps(_body(GOOD_OUT, GOOD_TOP)), top_logprobs=2, vocab_size=10)
 
 
 @pytest.mark.parametrize("mutate, position, words", [
@@ -167,17 +168,17 @@ def test_good_case_parses():
     (lambda b: b["output_ids"].__setitem__(1, 9), 1, "sampled id mismatch"),
     (lambda b: b["meta_info"].__setitem__("output_top_logprobs", None), 0, "missing"),
     (lambda b: b["meta_info"]["output_top_logprobs"][2].__setitem__(1, [-2.5, 10, None]), 2,
-     "outside [0, 10)"),
+     "out of range [0, 10)"),
     (lambda b: b["meta_info"]["output_top_logprobs"][1].__setitem__(1, [-2.0, -1, None]), 1,
-     "outside"),
+     "out of range"),
     (lambda b: b["meta_info"]["output_top_logprobs"][1].__setitem__(1, [-2.0, 3, None]), 1,
-     "duplicate token id 3"),
+     "duplicate valid id 3"),
     (lambda b: b["meta_info"]["output_top_logprobs"][2].__setitem__(0, [None, 5, None]), 2,
      "NaN"),
     (lambda b: b["meta_info"]["output_token_logprobs"][1].__setitem__(0, None), 1,
      "not finite"),
     (lambda b: b["meta_info"]["output_top_logprobs"][0].__setitem__(1, [-0.6, 2, None]), 0,
-     "mass"),
+     "sum of behavior probabilities"),
 ])
 def test_validation_errors_name_sample_and_position(mutate, position, words):
     good = _body(GOOD_OUT, GOOD_TOP)
@@ -191,16 +192,16 @@ def test_validation_errors_name_sample_and_position(mutate, position, words):
 def test_validation_error_is_value_error_and_malformed():
     assert issubclass(RolloutValidationError, ValueError)
     with pytest.raises(MalformedResponseError):
-        parse_generate_response(b'{"text": "x", "meta_info": {', top_k=2)
+        parse_generate_response(b'{"text": "x", "meta_info": {', top_logprobs=2)
     with pytest.raises(MalformedResponseError):
-        parse_generate_response(b'{"error": {"message": "bad"}}', top_k=2)
+        parse_generate_response(b'{"error": {"message": "bad"}}', top_logprobs=2)
 
 
 def test_sum_mu_tolerance():
     # total mass 1 + 5e-5 is tolerated (rounding), 1 + 2e-4 is not
     lp_a, lp_b = math.log(0.6), math.log(0.4 + 5e-5)
     parse_generate_response(orjson.dumps(_body([(lp_a, 1)], [[(lp_a, 1), (lp_b, 2)]])),
-                            top_k=2, vocab_size=10)
+                            top_logprobs=2, vocab_size=10)
     lp_b = math.log(0.4 + 2e-4)
     err = _err(_body([(lp_a, 1)], [[(lp_a, 1), (lp_b, 2)]]), k=2)
     assert err.position == 0
@@ -237,12 +238,12 @@ def _flat_output_body(null_prefix: int, k: int, b64: bool) -> tuple[dict, list, 
 @pytest.mark.parametrize("null_prefix,k", [(0, 3), (1, 3), (0, 2)])
 def test_flat_output_topk_equals_nested(b64, null_prefix, k):
     body, sampled, nested = _flat_output_body(null_prefix, k, b64)
-    (flat,) = parse_generate_response(orjson.dumps(body), top_k=3, vocab_size=10)
+    (flat,) = parse_generate_response(orjson.dumps(body), top_logprobs=3, vocab_size=10)
     nested_body = {"output_ids": sampled, "meta_info": {
         **{key: v for key, v in body["meta_info"].items() if "flat" not in key
            and "shape" not in key and "null_prefix" not in key},
         "output_top_logprobs": nested}}
-    (ref,) = parse_generate_response(orjson.dumps(nested_body), top_k=3, vocab_size=10)
+    (ref,) = parse_generate_response(orjson.dumps(nested_body), top_logprobs=3, vocab_size=10)
     for name in ("support_ids", "support_logprobs", "support_valid", "behavior_logprob"):
         assert torch.equal(getattr(flat, name), getattr(ref, name)), name
     assert flat.meta_info["num_short_positions"] == ref.meta_info["num_short_positions"]
@@ -254,4 +255,4 @@ def test_flat_output_topk_length_mismatch_names_position():
     body["meta_info"]["output_top_logprobs_val_flat_b64"] = body["meta_info"][
         "output_top_logprobs_val_flat_b64"][:16]  # 3 rows x 3 fp32 = 36 bytes -> 48 b64 chars
     with pytest.raises(RolloutValidationError):
-        parse_generate_response(orjson.dumps(body), top_k=3, vocab_size=10)
+        parse_generate_response(orjson.dumps(body), top_logprobs=3, vocab_size=10)

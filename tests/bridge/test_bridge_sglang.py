@@ -26,14 +26,14 @@ from rollout_bridge import (
     WeightSyncError,
     check_weight_version,
 )
-from rollout_bridge.parse import scoring_rows
+from rollout_bridge.parse_flat import scoring_rows
 from rollout_bridge.weights import save_hf_safetensors
 
 PARAMS = {"temperature": 1.0, "max_new_tokens": 6}
 
 
 def _client(server, **kw) -> SGLangEngine:
-    args = dict(top_k=5, timeout_s=1.0, max_retries=2, backoff_s=0.001, backoff_max_s=0.01,
+    args = dict(top_logprobs=5, timeout_s=1.0, max_retries=2, backoff_s=0.001, backoff_max_s=0.01,
                 vocab_size=VOCAB)
     args.update(kw)
     return SGLangEngine(server.url, **args)
@@ -51,7 +51,7 @@ def test_generate_end_to_end(server):
     assert info["model_path"] == "tiny-lm" and info["weight_version"] == "0"
     batch = client.generate(prompts(4), PARAMS, n=3)
     _assert_complete(batch, 4, 3)
-    assert not batch.failures and batch.weight_version == "0" and batch.top_k == 5
+    assert not batch.failures and batch.weight_version == "0" and batch.top_logprobs == 5
     for s in batch.samples:
         assert s.support_ids.shape == (s.num_tokens, 6)
         assert s.prompt_ids.tolist() == prompts(4)[s.prompt_index]
@@ -201,7 +201,7 @@ def test_output_flat_b64_matches_json_path(server, ragged):
     server.deterministic_seeds = True  # same (prompt, sample) -> same tokens for both clients
     if ragged:
         server.fault_fn = lambda body, n: Fault(ragged_items={0, 1})
-    kw = dict(top_k=4)
+    kw = dict(top_logprobs=4)
     json_batch = _client(server, **kw).generate(prompts(3), PARAMS, n=2)
     flat_batch = _client(server, topk_transport="flat_b64", **kw).generate(prompts(3), PARAMS,
                                                                           n=2)
@@ -218,8 +218,8 @@ def test_output_flat_b64_matches_json_path(server, ragged):
 
 
 def test_scoring_b64_path_matches_json_path(server):
-    json_client = _client(server, top_k=4)
-    b64_client = _client(server, top_k=4, topk_transport="scoring_b64")
+    json_client = _client(server, top_logprobs=4)
+    b64_client = _client(server, top_logprobs=4, topk_transport="scoring_b64")
     batch = b64_client.generate(prompts(3), PARAMS, n=2)
     assert not batch.failures
     eng = server.engine
@@ -250,8 +250,8 @@ def test_scoring_b64_path_matches_json_path(server):
 
 def test_payloads_validate_against_sglang():
     io_struct = pytest.importorskip("sglang.srt.managers.io_struct")
-    client = SGLangEngine("http://127.0.0.1:1", top_k=5)
-    flat = SGLangEngine("http://127.0.0.1:1", top_k=5, topk_transport="flat_b64")
+    client = SGLangEngine("http://127.0.0.1:1", top_logprobs=5)
+    flat = SGLangEngine("http://127.0.0.1:1", top_logprobs=5, topk_transport="flat_b64")
     for payload in (client.build_generate_payload([1, 2, 3], 2, PARAMS, ["a", "b"]),
                     flat.build_generate_payload([1, 2, 3], 2, PARAMS, ["a", "b"]),
                     client.build_scoring_payload([1, 2], [[3, 4], [5]], 1.0, ["a", "b"])):

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from megatron_pdm.convert import mapping
 from megatron_pdm.convert.hf_io import HFReader, ShardedSafetensorsWriter, parse_size
-from megatron_pdm.megatron.model import Qwen3MoeArch
+from megatron_pdm.arch import Qwen3MoeArch
 
 ARCH = Qwen3MoeArch(
     vocab_size=1000,

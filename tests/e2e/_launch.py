@@ -25,8 +25,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(output_dir: str, overrides: list[str], *, extra: list[str] = (), nproc: int = 2,
-           timeout: int = 240) -> subprocess.CompletedProcess:
+def command(output_dir: str, overrides: list[str], extra: list[str] = (),
+            nproc: int = 2) -> tuple[list[str], dict]:
+    """The torchrun command line and environment of a short trainer run."""
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     cmd = [torchrun, "--nproc-per-node", str(nproc), "--master-port", str(_free_port()),
            "-m", "megatron_pdm.train", "--config", CONFIG, "--output-dir", output_dir]
@@ -35,6 +36,12 @@ def launch(output_dir: str, overrides: list[str], *, extra: list[str] = (), npro
     cmd += list(extra)
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return cmd, env
+
+
+def launch(output_dir: str, overrides: list[str], *, extra: list[str] = (), nproc: int = 2,
+           timeout: int = 240) -> subprocess.CompletedProcess:
+    cmd, env = command(output_dir, overrides, extra, nproc)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
     if proc.returncode != 0:

@@ -61,7 +61,7 @@ def test_cluster_scripts_dry_run(script, env, world, monkeypatch, capsys):
 def test_precision_and_recompute_mapping():
     import torch
 
-    from megatron_pdm.megatron.model import transformer_config
+    from megatron_pdm.mcore.model import transformer_config
 
     cfg = RunConfig.load(str(TINY), ["precision.params_dtype=bf16", "precision.fp8=e4m3",
                                      "precision.fp8_recipe=blockwise", "train.recompute=full"])
@@ -104,9 +104,10 @@ def test_checkpoint_arch_must_agree():
     meta = {"arch": dict(arch, hidden_size=128, num_experts=8)}
     with pytest.raises(ms.ArchMismatchError) as err:
         ms.resolve_arch(cfg, 18, meta=meta)
-    assert "model.hidden_size=64, checkpoint has 128" in str(err.value)
-    assert "model.num_experts=4, checkpoint has 8" in str(err.value)
-    taken = RunConfig.load(str(TINY), ["checkpoint.load_dir=/ckpt", "model.from_checkpoint=true"])
+    assert "hidden_size=64, checkpoint has 128" in str(err.value)
+    assert "num_experts=4, checkpoint has 8" in str(err.value)
+    taken = RunConfig.load(str(TINY), ["checkpoint.load_dir=/ckpt",
+                                       "checkpoint.arch_from_load_dir=true"])
     assert ms.resolve_arch(taken, 18, meta=meta).hidden_size == 128
     assert ms.resolve_arch(cfg, 18, meta={"arch": arch}).vocab_size == 18
     with pytest.raises(ValueError, match="task vocabulary"):

@@ -3,9 +3,10 @@
 - TP=2 (sequence parallel) and EP=2 (DP=2, distributed optimizer sharded over DP) short runs:
   the loop completes, metrics.jsonl has one row per optimizer step with the contract keys, all
   finite, and checkpoints + summary are written.
-- Resume: an uninterrupted run vs. a run that "crashes" after 3 iterations (exits without saving;
-  the last checkpoint is at iteration 2) and is resumed with --resume. Every non-time metric of
-  every optimizer step must be identical (exact float equality: same seed, CPU, same layout).
+- Resume: an uninterrupted run vs. a run that is killed (SIGKILL to the whole torchrun process
+  group) once its third iteration is logged, then resumed with --resume from the newest complete
+  checkpoint. Every non-time metric of every optimizer step must be identical (exact float
+  equality: same seed, CPU, same layout), wherever the kill landed.
 """
 
 from __future__ import annotations
@@ -13,10 +14,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
+import subprocess
+import time
 
 import pytest
 
-from tests.e2e._launch import launch
+from tests.e2e._launch import ROOT, command, launch
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 
@@ -48,15 +52,35 @@ def test_short_run(tmp_path, layout):
     assert os.path.exists(os.path.join(out, "checkpoints", "latest"))
 
 
-def test_resume_reproduces_uninterrupted_run(tmp_path):
-    common = ["checkpoint.save_interval=2", "loss.preset=pdm-agg"]
+def _kill_after_rows(out: str, overrides: list[str], rows: int, timeout: float = 240) -> None:
+    """Starts a run and SIGKILLs its whole process group once `rows` metrics rows exist."""
+    cmd, env = command(out, overrides)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    path = os.path.join(out, "metrics.jsonl")
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            if os.path.exists(path) and len(_rows(out)) >= rows:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, "the run ended before it could be killed"
+        assert len(_rows(out)) >= rows, "the run did not log enough rows in time"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+
+
+def test_resume_after_a_kill_reproduces_uninterrupted_run(tmp_path):
+    common = ["checkpoint.save_interval=2", "loss.preset=pdm-agg", "train.iterations=6"]
     full, part = str(tmp_path / "full"), str(tmp_path / "part")
     launch(full, common)
-    launch(part, common + ["checkpoint.stop_after_iterations=3"])
-    assert len(_rows(part)) == 6  # crashed after iteration 3; checkpoint is at iteration 2
+    _kill_after_rows(part, common, rows=6)  # 3 iterations logged; checkpoint at 2 (or 4)
+    assert not os.path.exists(os.path.join(part, "summary.json"))
     launch(part, common, extra=["--resume"])
     a, b = _rows(full), _rows(part)
-    assert len(a) == len(b) == 8
+    assert len(a) == len(b) == 12
     for ra, rb in zip(a, b):
         ka = {k: v for k, v in ra.items() if not k.startswith("time/")}
         kb = {k: v for k, v in rb.items() if not k.startswith("time/")}

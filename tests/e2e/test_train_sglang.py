@@ -6,7 +6,8 @@ TP=2). For every run a fresh fake SGLang server (tests/bridge/fake_sglang.py, HF
 transformers Qwen3MoeForCausalLM from the HF dir, reloaded on /update_weights_from_disk, items
 seeded by (prompt, sample index)) is started in its own process.
 
-- TP=2, `checkpoint.load_dir` + `model.from_checkpoint`, `rollout.engine=sglang`, no initial sync:
+- TP=2, `checkpoint.load_dir` + `checkpoint.arch_from_load_dir`, `rollout.engine=sglang`, no
+  initial sync:
   the server rolls out with the *original HF* weights, the trainer scores with the *converted and
   loaded* ones, so at step 1 the train/rollout mismatch is tiny (conversion + load correct) and
   the PDM mask keeps every token. Weight versions advance 0, 1, 2 (one sync per iteration,
@@ -95,7 +96,7 @@ def _run(tmp_path, name, converted, layout):
     try:
         out = str(work / "run")
         launch(out, layout + [
-            f"checkpoint.load_dir={mcore}", "model.from_checkpoint=true",
+            f"checkpoint.load_dir={mcore}", "checkpoint.arch_from_load_dir=true",
             "rollout.engine=sglang", f"rollout.sglang_url={server.url}",
             f"rollout.hf_checkpoint={work / 'sync'}", "rollout.max_sequence_length=16",
             "rollout.rollout_precision=null", "rollout.sync_at_start=false",

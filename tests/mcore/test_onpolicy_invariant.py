@@ -13,6 +13,8 @@ peaked and the replicated weights have been through megatron's optimizer and gra
 
 from __future__ import annotations
 
+import pathlib
+
 import pytest
 import torch
 
@@ -20,19 +22,21 @@ import megatron_pdm as pdm
 from megatron_pdm import metrics as M
 from tests._dist import run_gloo
 
+TINY = str(pathlib.Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu" / "config.yaml")
+
 PRESETS = ("pdm-agg", "pdm-exact", "dppo-topk-kl", "dppo-binary-tv", "grpo", "pdm-tv")
 
 
 def _worker(rank, world, tp, ep):
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    from megatron_pdm.loss.megatron_hook import policy_loss_func, reduce_metrics
-    from megatron_pdm.megatron.parallel import destroy_parallel
+    from megatron_pdm.mcore.loss_adapter import policy_loss_func, reduce_metrics
+    from megatron_pdm.mcore.parallel import destroy_parallel
     from megatron_pdm.train.config import RunConfig
     from megatron_pdm.train.trainer import Trainer
     from rollout_bridge.packing import pack_padded
 
-    cfg = RunConfig()
+    cfg = RunConfig.load(TINY)
     cfg.parallel.tp, cfg.parallel.ep = tp, ep
     cfg.rollout.rollout_precision = None
     cfg.model.init_method_std = 0.3
@@ -48,14 +52,13 @@ def _worker(rank, world, tp, ep):
         packed = pack_padded(rb, adv_b, pad_id=tr.task.pad_id, pad_to_multiple_of=tp)
         with torch.no_grad():
             logits = tr.model(packed.tokens, packed.position_ids, attention_mask=None)
-            full = gather_from_tensor_model_parallel_region(logits)[..., :tr.vocab_size]
+            full = gather_from_tensor_model_parallel_region(logits)[..., :tr.arch.vocab_size]
         # the distribution is far from uniform, so ~0 divergences are not trivial
         assert torch.softmax(full[packed.loss_mask], -1).max(-1).values.mean() > 0.3
         for preset in PRESETS:
             # a fresh copy per preset: the loss func consumes fp32 logits in place (like CE)
             _, ntok, metrics = policy_loss_func(
-                logits.clone(), batch=packed, cfg=pdm.PolicyLossConfig.preset(preset),
-                vocab_size=tr.vocab_size, temperature=rb.temperature)
+                logits.clone(), batch=packed, cfg=pdm.PolicyLossConfig.preset(preset))
             assert int(ntok) == int(packed.loss_mask.sum()) > 0
             masked = metrics[M.MASKED_FRAC]
             assert masked[1] > 0 and masked[0] == 0, (preset, masked)

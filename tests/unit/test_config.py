@@ -1,10 +1,25 @@
-"""PolicyLossConfig: presets carry the papers' defaults, validation, yaml and overrides."""
+"""Configs: presets carry the papers' defaults; one typed parser for the loss and the run config.
+
+The run-config cases are the bugs of the two-parser design: `--set loss.noise_floor=1e-3` and
+`loss.ratio_cap=inf` through the driver, a misspelt `loss.*` key, the loss section as an untyped
+dict, enum values checked in a central table, and CLI errors printed with a traceback.
+"""
 
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+import yaml
 
-from megatron_pdm import PRESETS, PolicyLossConfig
+from megatron_pdm.arch import Qwen3MoeArch
+from megatron_pdm.config import PRESETS, PolicyLossConfig
+from megatron_pdm.configtree import ConfigError, convert, from_mapping
+from megatron_pdm.train.config import RolloutConfig, RunConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "examples" / "tiny_cpu" / "config.yaml"
 
 
 def test_preset_defaults():
@@ -19,6 +34,7 @@ def test_preset_defaults():
         c = PolicyLossConfig.preset(name)
         assert (c.proximity, c.direction, c.tail, c.delta_high, c.ratio_cap) == (
             "topk_kl", "predictive", tail, 0.15, 5.0)
+        assert c.name == name
     t = PolicyLossConfig.preset("pdm-tv")
     assert (t.proximity, t.tail, t.delta_high) == ("topk_tv", "exact", 0.2)
     d = PolicyLossConfig.preset("drpo")
@@ -27,21 +43,32 @@ def test_preset_defaults():
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(proximity="l2"), "proximity must be one of"),
+    (dict(proximity="l2"), r"proximity='l2': expected one of \['ratio'"),
     (dict(proximity="ratio", direction="predictive"), "needs a divergence proximity"),
     (dict(delta_low=0.0), "delta_low must be > 0"),
     (dict(aggregation="seq-mean-token-sum-norm"), "loss_horizon"),
     (dict(direction="ratio", noise_floor=1e-3), "noise_floor"),
     (dict(shaping="drpo", proximity="none", direction="ratio"), "drpo"),
+    (dict(delta_high="big"), "delta_high='big': expected a number"),
 ])
-def test_validation(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+def test_the_section_validates_its_own_values(kwargs, match):
+    # Built directly in Python, without the parser: the dataclass itself refuses.
+    with pytest.raises(ConfigError, match=match):
         PolicyLossConfig(**kwargs)
 
 
-def test_yaml_roundtrip_and_unknown_keys(tmp_path):
-    import yaml
+def test_values_are_converted_by_field_type():
+    c = PolicyLossConfig.from_dict({"preset": "pdm-agg", "noise_floor": "1e-3",
+                                    "ratio_cap": "inf", "loss_horizon": "8192"})
+    assert c.noise_floor == 1e-3 and c.ratio_cap == math.inf and c.loss_horizon == 8192
+    assert PolicyLossConfig(ratio_cap="inf").ratio_cap == math.inf  # direct construction too
+    assert convert("null", float | None, "k") is None
+    for value, tp in ((8.5, int), (True, int), ("x", float), (1, bool), ("nan", float)):
+        with pytest.raises(ConfigError, match="k="):
+            convert(value, tp, "k")
 
+
+def test_yaml_roundtrip_and_unknown_keys(tmp_path):
     cfg = PolicyLossConfig.preset("drpo")
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(cfg.to_dict()))
@@ -50,19 +77,73 @@ def test_yaml_roundtrip_and_unknown_keys(tmp_path):
     c = PolicyLossConfig.from_yaml(path)
     assert (c.tail, c.delta_high, c.delta_low) == ("exact", 0.2, 0.15)
     path.write_text("preset: pdm-agg\ndelta_hihg: 0.2\n")
-    with pytest.raises(ValueError, match="unknown PolicyLossConfig keys"):
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['delta_hihg'\]; valid keys .*"
+                                          r"'delta_high'.*'preset'"):
         PolicyLossConfig.from_yaml(path)
-    with pytest.raises(ValueError, match="unknown PolicyLossConfig key"):
+    with pytest.raises(ConfigError, match="unknown key"):
         cfg.with_overrides({"policy_loss.nope": 1})
     assert cfg.with_overrides(["policy_loss.delta_high=0.5"]).delta_high == 0.5
+    assert cfg.with_overrides(["loss.noise_floor=null"]).noise_floor is None
 
 
 def test_shipped_yaml_presets_load():
-    from pathlib import Path
-
     import megatron_pdm
 
     files = sorted((Path(megatron_pdm.__file__).parent / "configs").glob("*.yaml"))
     assert files
     for f in files:
         PolicyLossConfig.from_yaml(f)
+
+
+def test_run_config_loss_section_is_typed_and_overridable():
+    cfg = RunConfig.load(str(TINY), ["loss.noise_floor=1e-3", "loss.ratio_cap=inf"])
+    assert isinstance(cfg.loss, PolicyLossConfig)
+    assert cfg.loss.noise_floor == 1e-3 and cfg.loss.ratio_cap == math.inf
+    assert cfg.loss.name == "pdm-agg"
+    cfg = RunConfig.load(str(TINY), ["loss.preset=grpo", "loss.delta_high=0.3"])
+    assert (cfg.loss.name, cfg.loss.proximity, cfg.loss.delta_high) == ("grpo", "ratio", 0.3)
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['loss.delta_hihg'\]; valid keys "
+                                          r"of loss: \[.*'delta_high'"):
+        RunConfig.load(str(TINY), ["loss.delta_hihg=0.3"])
+    with pytest.raises(ConfigError, match="loss.preset='pdm-x': unknown preset"):
+        RunConfig.load(str(TINY), ["loss.preset=pdm-x"])
+
+
+def test_model_section_is_the_architecture_dataclass():
+    cfg = RunConfig.load(str(TINY))
+    assert type(cfg.model) is Qwen3MoeArch
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['model.hiden_size'\]"):
+        RunConfig.load(str(TINY), ["model.hiden_size=32"])
+    with pytest.raises(ConfigError, match="model.head_dim=16.5: expected an integer"):
+        RunConfig.load(str(TINY), ["model.head_dim=16.5"])
+
+
+def test_enum_values_belong_to_their_section():
+    with pytest.raises(ConfigError, match=r"engine='vlm': expected one of"):
+        RolloutConfig(engine="vlm")
+    with pytest.raises(ConfigError, match=r"rollout.engine='vlm': expected one of"):
+        RunConfig.load(str(TINY), ["rollout.engine=vlm"])
+    with pytest.raises(ConfigError, match="rollout.engine=sglang needs rollout.sglang_url"):
+        RunConfig.load(str(TINY), ["rollout.engine=sglang", "rollout.hf_checkpoint=/x"])
+
+
+def test_resolved_config_round_trips_through_yaml(tmp_path):
+    cfg = RunConfig.load(str(TINY), ["loss.preset=drpo", "train.lr=1e-4"])
+    cfg.save(tmp_path / "resolved.yaml")
+    again = RunConfig.load(str(tmp_path / "resolved.yaml"))
+    assert again == cfg and again.loss.ratio_cap == math.inf
+
+
+def test_from_mapping_reports_nested_paths():
+    with pytest.raises(ConfigError, match="parallel: expected a mapping"):
+        from_mapping(RunConfig, {"parallel": 3})
+
+
+def test_cli_prints_config_errors_as_one_line():
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_pdm.train", "--config", str(TINY), "--dry-run",
+         "--set", "loss.noise_flor=1e-3"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "loss.noise_flor" in lines[0] and "noise_floor" in lines[0]

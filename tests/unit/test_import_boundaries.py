@@ -1,10 +1,16 @@
-"""The import boundaries of docs/design.md are the architecture; this test keeps them.
+"""The layers of docs/design.md are the architecture; this test reads the real import graph.
 
-- `megatron_pdm` (public API), `ops`, `parallel`, `loss.policy_loss`, `config`, `metrics` and the
-  whole `rollout_bridge` import without megatron-core (checked in a fresh interpreter, because the
-  test session itself may already have megatron loaded).
-- `ops/` imports torch but never torch.distributed; `parallel/` never imports megatron;
-  `rollout_bridge` never imports megatron_pdm or megatron (checked statically on every file).
+Two views of the same rule:
+
+* Static: every `import` / `from ... import` in every file of `megatron_pdm/`, `rollout_bridge/`
+  and `tools/` (module level and inside functions) is an edge between project units (`ops`,
+  `parallel`, `loss`, `mcore`, `train`, ... and `rollout_bridge`). Each unit may only depend on
+  the units listed in ALLOWED: nothing points from a lower layer to an upper one. Inside the
+  package, modules import modules, never names from the package face `megatron_pdm/__init__`.
+  The module-level import graph has no cycle.
+* Dynamic: in a fresh interpreter, importing a module loads nothing above it (importing
+  `megatron_pdm.ops` loads neither `parallel`, `loss` nor megatron; the pure modules load no
+  torch).
 """
 
 from __future__ import annotations
@@ -18,73 +24,200 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
-NO_MEGATRON_MODULES = [
-    "megatron_pdm",
-    "megatron_pdm.ops",
-    "megatron_pdm.parallel",
-    "megatron_pdm.loss.policy_loss",
-    "megatron_pdm.config",
-    "megatron_pdm.metrics",
-    "rollout_bridge",
-]
+# unit -> units it may import (besides itself). "face" is megatron_pdm/__init__.
+PURE = {"configtree", "arch", "layout", "config", "cli"}
+ALLOWED = {
+    "face": {"ops", "parallel", "loss", "config"},
+    "configtree": set(),
+    "arch": {"configtree"},
+    "layout": {"arch", "configtree"},
+    "config": {"configtree"},
+    "cli": {"configtree"},
+    "metrics": set(),
+    "ops": set(),
+    "parallel": {"ops"},
+    "loss": {"ops", "config", "configtree", "metrics"},
+    "mcore": {"ops", "parallel", "loss", "config", "configtree", "metrics", "arch"},
+    "convert": {"arch", "configtree", "layout", "mcore", "ops"},
+    "analysis": {"ops", "parallel", "loss", "config", "configtree", "metrics", "arch", "mcore",
+                 "rollout_bridge", "train", "cli"},
+    "train": {"ops", "parallel", "loss", "config", "configtree", "metrics", "arch", "layout",
+              "mcore", "convert", "cli", "rollout_bridge"},
+    "rollout_bridge": {"ops"},
+    "tools": {"ops", "parallel", "loss", "config", "configtree", "metrics", "arch", "layout",
+              "mcore", "convert", "cli", "rollout_bridge", "train", "analysis"},
+}
 
 
-def _imports(path: pathlib.Path) -> set[str]:
-    tree = ast.parse(path.read_text(), filename=str(path))
-    names: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-    return names
+def _module_name(path: pathlib.Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
 
 
-@pytest.mark.parametrize("module", NO_MEGATRON_MODULES)
-def test_module_imports_without_megatron(module):
-    code = (
-        "import sys, importlib\n"
-        f"importlib.import_module({module!r})\n"
-        "bad = sorted(m for m in sys.modules if m == 'megatron' or m.startswith('megatron.'))\n"
-        "assert not bad, bad[:5]\n"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
-    assert proc.returncode == 0, f"{module} pulled in megatron:\n{proc.stderr[-2000:]}"
+def _unit(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] == "rollout_bridge":
+        return "rollout_bridge"
+    if parts[0] == "tools":
+        return "tools"
+    if parts[0] != "megatron_pdm":
+        return None
+    return "face" if len(parts) == 1 else parts[1]
 
 
-def _files(sub: str) -> list[pathlib.Path]:
-    files = sorted((ROOT / sub).rglob("*.py"))
-    assert files, f"no python files under {sub}"
+def _files() -> list[pathlib.Path]:
+    files = []
+    for sub in ("megatron_pdm", "rollout_bridge", "tools"):
+        files += sorted((ROOT / sub).rglob("*.py"))
+    assert len(files) > 40
     return files
 
 
-def test_ops_use_torch_only():
-    for f in _files("megatron_pdm/ops"):
-        bad = {n for n in _imports(f) if n.startswith(("torch.distributed", "megatron"))}
-        bad -= {n for n in bad if n.startswith("megatron_pdm.ops")}
-        assert not bad, f"{f.relative_to(ROOT)} imports {sorted(bad)}"
+def _edges(path: pathlib.Path) -> list[tuple[str, int, bool, str | None]]:
+    """(imported module, line, runs at import time, imported name or None) per project import.
+
+    Imports inside a function body run only when it is called; everything else (module body,
+    class bodies, module-level if/try blocks) runs at import time.
+    """
+    tree = ast.parse(path.read_text(), filename=str(path))
+    out: list[tuple[str, int, bool, str | None]] = []
+
+    def visit(node: ast.AST, in_function: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            nested = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                                       ast.Lambda))
+            if isinstance(child, ast.Import):
+                out.extend((a.name, child.lineno, not in_function, None) for a in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.module and child.level == 0:
+                out.extend((child.module, child.lineno, not in_function, a.name)
+                           for a in child.names)
+            visit(child, nested)
+
+    visit(tree, False)
+    return [e for e in out if e[0].split(".")[0] in ("megatron_pdm", "rollout_bridge")
+            or e[0] == "megatron" or e[0].startswith("megatron.")]
 
 
-def test_parallel_never_imports_megatron():
-    for f in _files("megatron_pdm/parallel"):
-        bad = {n for n in _imports(f) if n == "megatron" or n.startswith("megatron.")}
-        assert not bad, f"{f.relative_to(ROOT)} imports {sorted(bad)}"
+def _submodule_exists(package: str, name: str) -> bool:
+    base = ROOT.joinpath(*package.split("."))
+    return (base / f"{name}.py").exists() or (base / name / "__init__.py").exists()
 
 
-def test_loss_only_hook_imports_megatron():
-    for f in _files("megatron_pdm/loss"):
-        if f.name == "megatron_hook.py":
-            continue
-        bad = {n for n in _imports(f) if n == "megatron" or n.startswith("megatron.")}
-        assert not bad, f"{f.relative_to(ROOT)} imports {sorted(bad)}"
+def test_layers_hold_in_the_static_import_graph():
+    problems = []
+    for path in _files():
+        me = _module_name(path)
+        unit = _unit(me)
+        for target, line, _, name in _edges(path):
+            where = f"{path.relative_to(ROOT)}:{line}"
+            if target == "megatron" or target.startswith("megatron."):
+                if unit not in ("mcore", "convert", "train", "tools", "analysis"):
+                    problems.append(f"{where}: {unit} imports megatron-core ({target})")
+                continue
+            if target == "megatron_pdm" and name is not None:
+                if not _submodule_exists("megatron_pdm", name):
+                    if unit != "tools":
+                        problems.append(f"{where}: imports {name!r} from the package face")
+                    continue
+                target = f"megatron_pdm.{name}"
+            other = _unit(target)
+            if other is None or other == unit:
+                continue
+            if other not in ALLOWED[unit]:
+                problems.append(f"{where}: {unit} -> {other} ({target}) is not an allowed arrow")
+    assert not problems, "\n".join(problems)
 
 
-def test_bridge_is_independent_of_trainer():
-    for f in _files("rollout_bridge"):
-        bad = {
-            n for n in _imports(f)
-            if n == "megatron" or n.startswith(("megatron.", "megatron_pdm"))
-        }
-        assert not bad, f"{f.relative_to(ROOT)} imports {sorted(bad)}"
+def test_module_level_imports_have_no_cycle():
+    graph: dict[str, set[str]] = {}
+    for path in _files():
+        me = _module_name(path)
+        deps = set()
+        for target, _, at_top, name in _edges(path):
+            if not at_top or target.split(".")[0] == "megatron":
+                continue
+            if name is not None and _submodule_exists(target, name):
+                target = f"{target}.{name}"
+            deps.add(target)
+        graph[me] = deps
+    # A module also depends on its parent packages (their __init__ runs first). A package whose
+    # __init__ only re-exports its own submodules cannot close a cycle through a child (the
+    # children never import names from it, see the face rule), so only the others count.
+    def own(pkg: str, dep: str) -> bool:
+        return dep == pkg or dep.startswith(pkg + ".")
+
+    for mod in list(graph):
+        parts = mod.split(".")
+        for i in range(1, len(parts)):
+            parent = ".".join(parts[:i])
+            if parent in graph and not all(own(parent, d) for d in graph[parent]):
+                graph[mod].add(parent)
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for dep in sorted(graph.get(node, ())):
+            if dep not in graph:
+                continue
+            if state.get(dep) == 1:
+                return stack[stack.index(dep):] + [dep]
+            if state.get(dep) is None:
+                found = visit(dep)
+                if found:
+                    return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if state.get(node) is None:
+            cycle = visit(node)
+            assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+_FORBIDDEN = {
+    "megatron_pdm": ("megatron_pdm.ops", "megatron_pdm.parallel", "megatron_pdm.loss",
+                     "megatron_pdm.mcore", "torch", "megatron"),
+    "megatron_pdm.configtree": ("torch", "megatron", "megatron_pdm.ops"),
+    "megatron_pdm.arch": ("torch", "megatron", "megatron_pdm.ops"),
+    "megatron_pdm.layout": ("torch", "megatron", "megatron_pdm.ops"),
+    "megatron_pdm.config": ("torch", "megatron", "megatron_pdm.ops"),
+    "megatron_pdm.ops": ("megatron_pdm.parallel", "megatron_pdm.loss", "megatron_pdm.mcore",
+                         "megatron_pdm.train", "megatron"),
+    "megatron_pdm.ops.divergence": ("megatron_pdm.parallel", "megatron_pdm.loss", "megatron"),
+    "megatron_pdm.parallel": ("megatron_pdm.loss", "megatron_pdm.mcore", "megatron_pdm.train",
+                              "megatron"),
+    "megatron_pdm.loss.policy_loss": ("megatron_pdm.parallel", "megatron_pdm.mcore",
+                                      "megatron_pdm.train", "megatron"),
+    "rollout_bridge": ("megatron_pdm.parallel", "megatron_pdm.loss", "megatron_pdm.mcore",
+                       "megatron_pdm.train", "megatron"),
+    "megatron_pdm.mcore.loss_adapter": ("megatron_pdm.train", "rollout_bridge"),
+}
+
+
+@pytest.mark.parametrize("module", sorted(_FORBIDDEN))
+def test_fresh_import_loads_nothing_above_its_layer(module):
+    forbidden = _FORBIDDEN[module]
+    code = (
+        "import sys, importlib\n"
+        f"importlib.import_module({module!r})\n"
+        f"bad = sorted(m for m in sys.modules if m in {forbidden!r} or "
+        f"any(m.startswith(f + '.') for f in {forbidden!r}))\n"
+        "assert not bad, bad[:8]\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, f"importing {module} loaded:\n{proc.stderr[-2000:]}"
+
+
+def test_no_package_named_megatron_inside_the_project():
+    # A `megatron` package of ours would shadow megatron-core for code that puts its parent on
+    # sys.path (pytest's rootdir insertion, spawned workers).
+    shadows = [p for p in ROOT.rglob("megatron/__init__.py") if ".venv" not in p.parts
+               and ".cache" not in p.parts]
+    assert not shadows, shadows

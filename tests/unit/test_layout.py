@@ -14,7 +14,7 @@ EXAMPLE = ROOT / "examples" / "qwen3_30b_a3b"
 
 
 def _arch():
-    from megatron_pdm.megatron.model import Qwen3MoeArch
+    from megatron_pdm.arch import Qwen3MoeArch
 
     return Qwen3MoeArch.qwen3_30b_a3b()
 
@@ -145,4 +145,4 @@ def test_pdm_yaml_matches_driver_schema_and_arch():
     ):
         assert getattr(cfg.model, name) == getattr(arch, name), name
     assert cfg.parallel.tp == 4 and cfg.parallel.ep == 8
-    assert cfg.loss_config() is not None
+    assert cfg.loss.name == "pdm-agg"

@@ -1,4 +1,4 @@
-"""The algorithms.md §8.3 float64 vector and the §3.2 disagreement example, through the op.
+"""The docs/math.md §8.3 float64 vector and the §3.2 disagreement example, through the op.
 
 Expected values are copied from the spec table (10 significant digits); tolerance 1e-9.
 """

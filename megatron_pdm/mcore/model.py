@@ -1,4 +1,4 @@
-"""A Qwen3-MoE-shaped megatron-core GPTModel, from one small architecture dataclass.
+"""A Qwen3-MoE-shaped megatron-core GPTModel from the architecture dataclass (`arch.py`).
 
 Qwen3-MoE (e.g. Qwen3-30B-A3B) in megatron-core terms:
 - pre-norm decoder, RMSNorm (eps 1e-6), no biases anywhere;
@@ -23,8 +23,6 @@ Two layer specs:
 from __future__ import annotations
 
 import copy
-import dataclasses
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -35,64 +33,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-
-@dataclass(kw_only=True)
-class Qwen3MoeArch:
-    """Architecture of a Qwen3-MoE model (HF `Qwen3MoeConfig` field names in comments)."""
-
-    vocab_size: int
-    """Engine/HF vocabulary size (`vocab_size`); megatron pads its output layer beyond it."""
-    hidden_size: int
-    """Model width (`hidden_size`)."""
-    num_layers: int
-    """Decoder layers (`num_hidden_layers`)."""
-    num_attention_heads: int
-    """Query heads (`num_attention_heads`)."""
-    num_query_groups: int
-    """Key/value heads (`num_key_value_heads`)."""
-    head_dim: int
-    """Per-head width (`head_dim`), megatron `kv_channels`."""
-    num_experts: int
-    """Routed experts per layer (`num_experts`)."""
-    moe_router_topk: int
-    """Experts per token (`num_experts_per_tok`)."""
-    moe_ffn_hidden_size: int
-    """Expert FFN width (`moe_intermediate_size`)."""
-    rotary_base: float = 1_000_000.0
-    """RoPE base (`rope_theta`)."""
-    norm_epsilon: float = 1e-6
-    """RMSNorm epsilon (`rms_norm_eps`)."""
-    max_position_embeddings: int = 4096
-    """Longest sequence the model is built for (`max_position_embeddings`)."""
-    make_vocab_size_divisible_by: int = 128
-    """Megatron pads the output vocabulary to a multiple of this times TP."""
-
-    @classmethod
-    def qwen3_30b_a3b(cls) -> "Qwen3MoeArch":
-        """Qwen3-30B-A3B (HF config of Qwen/Qwen3-30B-A3B)."""
-        return cls(
-            vocab_size=151936, hidden_size=2048, num_layers=48, num_attention_heads=32,
-            num_query_groups=4, head_dim=128, num_experts=128, moe_router_topk=8,
-            moe_ffn_hidden_size=768, rotary_base=1_000_000.0, norm_epsilon=1e-6,
-            max_position_embeddings=40960,
-        )
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Qwen3MoeArch":
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - names
-        if unknown:
-            raise ValueError(f"unknown model keys: {sorted(unknown)}")
-        return cls(**d)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-
-def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
-    """Megatron's output-vocab padding: the next multiple of `divisible_by * tp_size`."""
-    multiple = divisible_by * tp_size
-    return ((vocab_size + multiple - 1) // multiple) * multiple
+from megatron_pdm.arch import Qwen3MoeArch
 
 
 class TorchRMSNorm:
@@ -119,14 +60,14 @@ def transformer_config(
     params_dtype: torch.dtype = torch.float32,
     bf16: bool = False,
     moe_token_dispatcher_type: str = "alltoall",
-    moe_aux_loss_coeff: float = 0.0,
     use_cpu_initialization: bool = True,
-    init_method_std: float = 0.02,
     fp8: Optional[str] = None,
     fp8_recipe: Optional[str] = None,
     **overrides,
 ) -> TransformerConfig:
     """The megatron-core TransformerConfig for `arch` at a parallel layout.
+
+    `overrides` are further TransformerConfig fields (they win over the derived ones).
 
     Sequence parallelism defaults to on whenever TP > 1 (megatron requires it for MoE with TP).
     Expert tensor parallelism is 1 (the layout used for Qwen3-30B-A3B in practice, and the only one
@@ -158,8 +99,8 @@ def transformer_config(
         num_moe_experts=arch.num_experts,
         moe_router_topk=arch.moe_router_topk,
         moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
-        moe_router_load_balancing_type="aux_loss" if moe_aux_loss_coeff > 0 else "none",
-        moe_aux_loss_coeff=moe_aux_loss_coeff,
+        moe_router_load_balancing_type="aux_loss" if arch.moe_aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=arch.moe_aux_loss_coeff,
         moe_router_dtype="fp32",
         moe_token_dispatcher_type=moe_token_dispatcher_type,
         moe_grouped_gemm=False,
@@ -172,7 +113,7 @@ def transformer_config(
         bf16=bf16,
         pipeline_dtype=params_dtype,
         use_cpu_initialization=use_cpu_initialization,
-        init_method_std=init_method_std,
+        init_method_std=arch.init_method_std,
     )
     if fp8 is not None:
         kwargs.update(fp8=fp8, fp8_recipe=fp8_recipe or "delayed")
@@ -236,9 +177,7 @@ def build_model(
     return GPTModel(
         config=config,
         transformer_layer_spec=block,
-        vocab_size=padded_vocab_size(
-            arch.vocab_size, arch.make_vocab_size_divisible_by, config.tensor_model_parallel_size
-        ),
+        vocab_size=arch.padded_vocab(config.tensor_model_parallel_size),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=pre_process,
         post_process=post_process,

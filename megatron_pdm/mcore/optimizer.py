@@ -4,11 +4,11 @@ What: `wrap_ddp` puts the GPTModel into megatron's `DistributedDataParallel` (fp
 no overlap, so the schedule's `finalize_model_grads` does the DP all-reduce and the sequence-
 parallel norm all-reduce over TP), and `build_optimizer` returns `get_megatron_optimizer(...)`:
 Adam on fp32 params, either the plain `FP32Optimizer` or the `DistributedOptimizer` (optimizer
-state sharded over DP). Both run on CPU with the shim (cpu-megatron.md §3).
+state sharded over DP). Both run on CPU with the shim (docs/cpu-megatron.md §3).
 
 Why the distributed-optimizer helpers: its checkpoint path has three megatron bugs without
-apex/TE (cpu-megatron.md §5.3, present in 0.16.1 and 0.19.2); `prime_for_loading` and
-`fix_adam_step_after_load` are the measured workarounds, used by megatron_pdm.megatron.checkpoint.
+apex/TE (docs/cpu-megatron.md §5.3, present in 0.16.1 and 0.19.2); `prime_for_loading` and
+`fix_adam_step_after_load` are the measured workarounds, used by megatron_pdm.mcore.checkpoint.
 """
 
 from __future__ import annotations

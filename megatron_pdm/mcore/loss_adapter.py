@@ -1,5 +1,4 @@
-"""The policy loss as a megatron-core `loss_func` (the only module of ops/parallel/loss that
-imports megatron).
+"""The policy loss as a megatron-core `loss_func`.
 
 megatron-core's schedules (`get_forward_backward_func()`) call
 `forward_step_func(data_iterator, model) -> (output_tensor, loss_func)` and then
@@ -20,8 +19,11 @@ What this adapter owns (and the core op does not):
   No shifting happens here; only loss rows are selected (`loss_mask`).
 - Tensor parallelism. The TP group comes from megatron's parallel_state and is handed to
   `megatron_pdm.token_stats`, which needs exactly 2 collectives per call.
-- Vocab padding (`vocab_size` = engine vocabulary; Megatron's padded ids are excluded) and the
-  sampling temperature (logits are divided by it inside `token_stats`).
+- The rollout's facts. The sampling temperature (logits are divided by it inside
+  `token_stats`) and the engine vocabulary (megatron's padded ids beyond it are excluded) are
+  read from the batch, which the rollout engine stamped: there is no second argument to forget.
+  A batch whose supports were checked when the engine produced them (`batch.validated`) runs the
+  op and the loss with their input checks off, so the training step has no host sync.
 
 Metric keys emitted: everything `megatron_pdm.policy_loss` emits (pdm/*, loss/pg,
 mismatch/abs_logprob_diff; see megatron_pdm/metrics.py) plus `tokens/loss` (loss rows).
@@ -34,15 +36,13 @@ from typing import Any
 
 import torch
 
-import megatron_pdm as pdm
 from megatron_pdm import metrics as M
+from megatron_pdm.config import PolicyLossConfig
+from megatron_pdm.loss.policy_loss import policy_loss
+from megatron_pdm.parallel.vocab_parallel import token_stats
 
 _FIELDS = ("labels", "loss_mask", "behavior_logprob", "support_ids", "support_logprobs",
            "support_valid", "advantages", "seq_ids")
-
-
-def _field(batch: Any, name: str) -> torch.Tensor:
-    return batch[name] if isinstance(batch, dict) else getattr(batch, name)
 
 
 def to_bsv(logits: torch.Tensor, b: int, s: int, layout: str = "auto") -> torch.Tensor:
@@ -87,17 +87,26 @@ def _tp_group():
     return parallel_state.get_tensor_model_parallel_group()
 
 
-def policy_loss_func(output_tensor: torch.Tensor, *, batch: Any, cfg: pdm.PolicyLossConfig,
-                     vocab_size: int, temperature: float = 1.0, layout: str = "auto",
-                     tp_group: Any = "parallel_state", inplace: bool = True):
+def batch_vocab_size(batch: Any) -> int:
+    """The engine vocabulary the batch was generated with (a clear error when unknown)."""
+    vocab_size = getattr(batch, "vocab_size", None)
+    if vocab_size is None:
+        raise ValueError("batch.vocab_size is None: the rollout engine did not record its "
+                         "vocabulary; construct the engine with vocab_size=... (the loss must "
+                         "know which of megatron's padded logits are real)")
+    return int(vocab_size)
+
+
+def policy_loss_func(output_tensor: torch.Tensor, *, batch: Any, cfg: PolicyLossConfig,
+                     layout: str = "auto", tp_group: Any = "parallel_state",
+                     inplace: bool = True):
     """megatron-core loss_func: PDM/DPPO/GRPO/DRPO policy loss on vocab-parallel logits.
 
     Args:
         output_tensor: logits `[b, s, Vl]` or `[s, b, Vl]` (this TP rank's vocab shard).
-        batch: a `PackedBatch` (or dict with its fields), padded `[b, s]` or THD `[1, total]`.
+        batch: a `PackedBatch`, padded `[b, s]` or THD `[1, total]`; its `temperature`,
+            `vocab_size` and `validated` are used as recorded by the rollout engine.
         cfg: the loss config (preset).
-        vocab_size: the engine's real vocabulary size (ids beyond are Megatron padding).
-        temperature: sampling temperature of the rollouts.
         layout: see `to_bsv`.
         tp_group: process group; default: megatron's TP group (None when TP == 1).
         inplace: let the op work in the logits' storage (fp32 logits; see `token_stats`).
@@ -105,7 +114,7 @@ def policy_loss_func(output_tensor: torch.Tensor, *, batch: Any, cfg: pdm.Policy
     Returns:
         (loss_sum, num_tokens int tensor, metrics {key: tensor([sum, count])}).
     """
-    labels_bs = _field(batch, "labels")
+    labels_bs = batch.labels
     b, s = labels_bs.shape
     logits_bsv = to_bsv(output_tensor, b, s, layout)
     group = _tp_group() if tp_group == "parallel_state" else tp_group
@@ -120,42 +129,34 @@ def policy_loss_func(output_tensor: torch.Tensor, *, batch: Any, cfg: pdm.Policy
         order = "sb"
 
     def flat(name: str) -> torch.Tensor:
-        t = _field(batch, name)
+        t = getattr(batch, name)
         if order == "sb":
             t = t.transpose(0, 1)
         return t.reshape(b * s, *t.shape[2:])
 
     f = {name: flat(name) for name in _FIELDS}
     mask_N = f["loss_mask"].to(torch.bool)
+    # Checked once where the rollouts entered (batch.validated): no checks, no host syncs here.
+    check = not bool(getattr(batch, "validated", False))
     # inplace: fp32 logits are consumed like megatron's CE consumes them (exp kept in their
     # storage for backward, gradient written there); nothing else reads the logits afterwards.
-    stats = pdm.token_stats(
-        logits_NVl, f["labels"], f["support_ids"].long(), f["support_logprobs"],
-        f["support_valid"], tp_group=group, vocab_size=vocab_size, temperature=temperature,
-        inplace=inplace)
-    out = pdm.policy_loss(stats, f["advantages"], f["behavior_logprob"], mask_N, cfg,
-                          seq_ids=f["seq_ids"])
-    loss_sum, num_tokens, metrics = out
+    stats = token_stats(
+        logits_NVl, f["labels"], f["support_ids"], f["support_logprobs"], f["support_valid"],
+        tp_group=group, vocab_size=batch_vocab_size(batch), temperature=float(batch.temperature),
+        validate=check, inplace=inplace)
+    loss_sum, num_tokens, metrics = policy_loss(
+        stats, f["advantages"], f["behavior_logprob"], mask_N, cfg, seq_ids=f["seq_ids"],
+        check_inputs=check)
     metrics = dict(metrics)
-    metrics["tokens/loss"] = M.sum_count(mask_N.double(), mask_N, torch.float64)
-    # The row selection keeps the graph connected to the logits even for a micro-batch without
-    # loss rows, so the schedule's backward runs identically on every rank. Only if some path
-    # returns a constant (e.g. a degenerate config) connect it explicitly; this costs a pass over
-    # the logits, so it is not done on the normal path.
-    if not loss_sum.requires_grad and logits_bsv.requires_grad:
-        loss_sum = loss_sum + 0.0 * logits_bsv.sum()
-    num_tokens = torch.as_tensor(num_tokens)
-    if num_tokens.is_floating_point():
-        if not torch.equal(num_tokens, num_tokens.round()):
-            raise ValueError(f"num_tokens must be integral for megatron, got {num_tokens}")
-    return loss_sum, num_tokens.to(torch.int).reshape(()), metrics
+    metrics[M.TOKENS_LOSS] = M.sum_count(mask_N.double(), mask_N, torch.float64)
+    return loss_sum, num_tokens.reshape(()), metrics
 
 
-def make_loss_func(batch: Any, cfg: pdm.PolicyLossConfig, *, vocab_size: int,
-                   temperature: float = 1.0, layout: str = "auto", inplace: bool = True):
+def make_loss_func(batch: Any, cfg: PolicyLossConfig, *, layout: str = "auto",
+                   inplace: bool = True):
     """Binds a micro-batch: returns `loss_func(output_tensor)` for a megatron forward_step."""
-    return functools.partial(policy_loss_func, batch=batch, cfg=cfg, vocab_size=vocab_size,
-                             temperature=temperature, layout=layout, inplace=inplace)
+    return functools.partial(policy_loss_func, batch=batch, cfg=cfg, layout=layout,
+                             inplace=inplace)
 
 
 def reduce_metrics(forward_data_store: list[dict], group=None) -> dict[str, float]:

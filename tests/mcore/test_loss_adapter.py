@@ -1,4 +1,4 @@
-"""The megatron loss_func adapter (loss/megatron_hook.py): layout, shift, padding, TP parity.
+"""The megatron loss_func adapter (mcore/loss_adapter.py): layout, shift, padding, TP parity.
 
 Single-process tests compare `policy_loss_func` on a row-aligned PackedBatch against the core API
 called by hand on the rows that score each response token (row P + t - 1 scores response token t),
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import megatron_pdm as pdm
-from megatron_pdm.loss.megatron_hook import policy_loss_func, to_bsv
+from megatron_pdm.mcore.loss_adapter import policy_loss_func, to_bsv
 from rollout_bridge.packing import pack_padded
 from rollout_bridge.types import RolloutBatch, RolloutSample
 from tests._dist import run_gloo
@@ -49,7 +49,8 @@ def _batch():
     gen = torch.Generator().manual_seed(0)
     samples = [_sample([1, 5, 6], [3, 7, 2], gen, 0), _sample([1, 4], [9, 2], gen, 0),
                _sample([1, 8, 8, 3], [2], gen, 1)]
-    return RolloutBatch(samples=samples, temperature=0.7, weight_version="0", top_k=K), samples
+    return RolloutBatch(samples=samples, temperature=0.7, weight_version="0", top_logprobs=K,
+                        vocab_size=V), samples
 
 
 @pytest.mark.parametrize("preset", ["pdm-agg", "grpo", "drpo"])
@@ -65,8 +66,9 @@ def test_loss_func_matches_manual_rows(preset, layout):
     cfg = pdm.PolicyLossConfig.preset(preset)
     # A copy: the adapter consumes fp32 logits in place, as megatron's CE does.
     out_logits = logits_bsv.clone() if layout == "bsv" else logits_bsv.transpose(0, 1).contiguous()
-    loss, ntok, metrics = policy_loss_func(out_logits, batch=packed, cfg=cfg, vocab_size=V,
-                                           temperature=0.7, layout=layout, tp_group=None)
+    # The batch carries temperature 0.7 and vocab 11: the adapter takes both from there.
+    loss, ntok, metrics = policy_loss_func(out_logits, batch=packed, cfg=cfg, layout=layout,
+                                           tp_group=None)
     # By hand: response token t of sample i is scored by logits row P + t - 1.
     rows, fields = [], {k: [] for k in ("ids", "lp", "valid", "beh", "adv", "seq", "lab")}
     for i, smp in enumerate(samples):
@@ -96,13 +98,44 @@ def test_loss_func_matches_manual_rows(preset, layout):
     assert metrics["tokens/loss"][1] == len(rows)
 
 
+def test_make_loss_func_takes_temperature_and_vocab_from_the_batch():
+    """The rollout's temperature has one source: the batch (old API defaulted to T=1)."""
+    from megatron_pdm.mcore.loss_adapter import make_loss_func
+
+    batch, _ = _batch()
+    packed = pack_padded(batch, torch.tensor([0.5, -0.5, 1.0]))
+    logits = torch.randn(*packed.tokens.shape, V_PADDED, generator=torch.Generator().manual_seed(3))
+    cfg = pdm.PolicyLossConfig.preset("pdm-agg")
+    loss_07, _, m07 = make_loss_func(packed, cfg)(logits.clone())
+    packed.temperature = 1.0
+    loss_10, _, m10 = make_loss_func(packed, cfg)(logits.clone())
+    assert not torch.allclose(m07["mismatch/abs_logprob_diff"], m10["mismatch/abs_logprob_diff"])
+    with pytest.raises(TypeError):
+        make_loss_func(packed, cfg, temperature=0.7)  # no second source of truth
+    packed.vocab_size = None
+    with pytest.raises(ValueError, match="vocab_size"):
+        make_loss_func(packed, cfg)(logits.clone())
+
+
+def test_validated_batch_runs_without_checks_and_unvalidated_batch_is_checked():
+    batch, _ = _batch()
+    packed = pack_padded(batch, torch.tensor([0.5, -0.5, 1.0]))
+    assert packed.validated is False  # hand-built samples: nobody checked them
+    row = int(packed.loss_mask.reshape(-1).nonzero()[0])
+    packed.support_logprobs.reshape(-1, K + 1)[row, 0] = float("nan")
+    logits = torch.randn(*packed.tokens.shape, V_PADDED)
+    cfg = pdm.PolicyLossConfig.preset("pdm-agg")
+    with pytest.raises(ValueError, match="support_logprobs"):
+        policy_loss_func(logits.clone(), batch=packed, cfg=cfg, tp_group=None)
+
+
 def test_loss_func_backward_only_touches_scoring_rows():
     batch, samples = _batch()
     packed = pack_padded(batch, torch.tensor([1.0, -1.0, 0.5]))
     b, s = packed.tokens.shape
     logits_bsv = torch.randn(b, s, V_PADDED, requires_grad=True)
     loss, _, _ = policy_loss_func(logits_bsv, batch=packed, cfg=pdm.PolicyLossConfig.preset(
-        "grpo"), vocab_size=V, tp_group=None)
+        "grpo"), tp_group=None)
     loss.backward()
     touched_bs = logits_bsv.grad.abs().sum(-1) > 0
     # Only rows that score a response token can get a gradient (the clip may zero some of them).
@@ -128,7 +161,7 @@ def test_empty_microbatch_still_backpropagates():
     packed.loss_mask[:] = False
     logits_bsv = torch.randn(*packed.tokens.shape, V_PADDED, requires_grad=True)
     loss, ntok, _ = policy_loss_func(logits_bsv, batch=packed, cfg=pdm.PolicyLossConfig.preset(
-        "pdm-agg"), vocab_size=V, tp_group=None)
+        "pdm-agg"), tp_group=None)
     loss.backward()
     assert int(ntok) == 0 and float(loss) == 0.0 and logits_bsv.grad is not None
 
@@ -138,30 +171,31 @@ def test_empty_microbatch_still_backpropagates():
 def _tp_parity_worker(rank, world, ckpt_dir, out_path):
     from megatron.core import parallel_state as ps
 
-    from megatron_pdm.loss.megatron_hook import reduce_metrics
-    from megatron_pdm.megatron import checkpoint as ckpt
-    from megatron_pdm.megatron.model import build_model, transformer_config
-    from megatron_pdm.megatron.parallel import destroy_parallel, init_parallel
+    from megatron_pdm.mcore.loss_adapter import reduce_metrics
+    from megatron_pdm.mcore import checkpoint as ckpt
+    from megatron_pdm.mcore.model import build_model, transformer_config
+    from megatron_pdm.mcore.parallel import destroy_parallel, init_parallel
     from megatron_pdm.train import rollout as ro
-    from megatron_pdm.train.config import RunConfig
+    from megatron_pdm.arch import Qwen3MoeArch
     from megatron_pdm.train.task import AdditionTask, Tokenizer
-    from megatron_pdm.train.trainer_arch import make_arch
     from rollout_bridge.types import group_advantages
 
-    cfg = RunConfig()
     tok = Tokenizer()
     task = AdditionTask(2, tok)
-    arch = make_arch(cfg, tok.vocab_size)
+    arch = Qwen3MoeArch(vocab_size=tok.vocab_size, hidden_size=64, num_layers=2,
+                        num_attention_heads=4, num_query_groups=2, head_dim=16, num_experts=4,
+                        moe_router_topk=2, moe_ffn_hidden_size=64, max_position_embeddings=64,
+                        make_vocab_size_divisible_by=8, init_method_std=0.2)
     results = {}
     for tp in (1, 2):
         init_parallel(tp=tp, ep=1, seed=7 + tp)  # different init: TP=2 weights come from disk
-        tcfg = transformer_config(arch, tp=tp, init_method_std=0.2, calculate_per_token_loss=True)
+        tcfg = transformer_config(arch, tp=tp, calculate_per_token_loss=True)
         model = build_model(arch, tcfg)
         if tp == 1:
             ckpt.save_model(ckpt_dir, model)
-            engine = ro.build_engine(build_model(arch, tcfg), vocab_size=tok.vocab_size, top_k=8,
-                                     seed=3, rollout_precision="bf16", eos_id=tok.eos_id,
-                                     pad_id=tok.pad_id, tp_size=1)
+            engine = ro.build_engine(build_model(arch, tcfg), vocab_size=tok.vocab_size,
+                                     top_logprobs=8, seed=3, rollout_precision="bf16",
+                                     eos_id=tok.eos_id, pad_id=tok.pad_id, tp_size=1)
             engine.update_weights(ro.engine_weights(model))
             ops = task.operands_for(0, 0, 4)
             rb = engine.generate([task.prompt(a, c) for a, c in ops], {"max_new_tokens": 4}, n=4)
@@ -171,8 +205,7 @@ def _tp_parity_worker(rank, world, ckpt_dir, out_path):
             ckpt.load_model(ckpt_dir, model)
         logits = model(packed.tokens, packed.position_ids, attention_mask=None)
         loss, ntok, metrics = policy_loss_func(
-            logits, batch=packed, cfg=pdm.PolicyLossConfig.preset("pdm-agg"),
-            vocab_size=tok.vocab_size)
+            logits, batch=packed, cfg=pdm.PolicyLossConfig.preset("pdm-agg"))
         results[tp] = (float(loss), int(ntok), reduce_metrics([metrics]))
         # V=18 is padded to 24 at TP=1 and to 32 at TP=2 (16 per rank): padding differs.
         assert logits.shape[-1] == {1: 24, 2: 16}[tp]

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_pdm.megatron.cpu_shim import apply_cpu_shim
+from megatron_pdm.mcore.cpu_shim import apply_cpu_shim
 
 logger = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ rollout-engine counters; anything picklable). `<save_dir>/latest` names the newe
 Model tensors are saved as sharded tensors with global shapes, so a checkpoint written at one
 TP/EP layout loads at another (used by the TP=1 vs TP=2 loss test).
 
-DistributedOptimizer without apex/TE needs the §5.3 workarounds of cpu-megatron.md; they are
-applied here (see megatron_pdm.megatron.optimizer) and verified bit-exact by the resume test.
+DistributedOptimizer without apex/TE needs the §5.3 workarounds of docs/cpu-megatron.md; they are
+applied here (see megatron_pdm.mcore.optimizer) and verified bit-exact by the resume test.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import shutil
 import torch
 import torch.distributed as dist
 
-from megatron_pdm.megatron import optimizer as mopt
+from megatron_pdm.mcore import optimizer as mopt
 
 logger = logging.getLogger(__name__)
 

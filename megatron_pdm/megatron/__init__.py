@@ -1,1 +1,0 @@
-"""megatron-core integration: model provider, CPU shim, checkpoint helpers (imports megatron)."""

@@ -1,0 +1,72 @@
+"""One optimizer step through megatron-core's pipeline schedule, and the metric reduction after it.
+
+`optimizer_step` zeroes the gradient buffers, runs `get_forward_backward_func()` over a list of
+micro-batches (1F1B when PP > 1, plain forward/backward otherwise) and steps the optimizer. A
+micro-batch is any object with `tokens` and `position_ids` tensors `[b, s]` (the RL
+`PackedBatch`, the warm-up's `SftBatch`); `loss_func_of(mb)` returns megatron's loss_func for it.
+
+`reduce_step_metrics` turns the per-micro-batch `[sum, count]` metrics of the last pipeline stage
+into means over data-parallel ranks and hands them to every stage.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol
+
+import torch
+import torch.distributed as dist
+
+from megatron_pdm.mcore.loss_adapter import reduce_metrics
+
+
+class MicroBatch(Protocol):
+    tokens: torch.Tensor
+    position_ids: torch.Tensor
+
+
+def optimizer_step(model, optimizer, microbatches: list[MicroBatch],
+                   loss_func_of: Callable[[Any], Callable], *, pp: int
+                   ) -> tuple[list[dict], float]:
+    """zero grads -> megatron forward_backward over `microbatches` -> optimizer step.
+
+    Returns:
+        (the schedule's forward data store: one metrics dict per micro-batch on the last stage,
+        the global gradient norm before clipping, nan if the optimizer did not report one).
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    def forward_step(data_iterator, model):
+        mb = next(data_iterator)
+        # Under PP, stages after the first take the schedule's input tensor instead of tokens.
+        output = model(mb.tokens, mb.position_ids, attention_mask=None)
+        return output, loss_func_of(mb)
+
+    if pp > 1:
+        sizes = {tuple(m.tokens.shape) for m in microbatches}
+        if len(sizes) != 1:
+            raise ValueError(f"parallel.pp > 1 needs equal micro-batch shapes, got {sizes}: make "
+                             "samples per minibatch divisible by DP x microbatches_per_minibatch")
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    b, s = microbatches[0].tokens.shape
+    store = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(microbatches), model=[model],
+        num_microbatches=len(microbatches), seq_length=s, micro_batch_size=b,
+        forward_only=False)
+    _, grad_norm, _ = optimizer.step()
+    return store, float(grad_norm) if grad_norm is not None else float("nan")
+
+
+def reduce_step_metrics(store: list[dict], *, dp_group, is_last_stage: bool,
+                        pp: int) -> dict[str, float]:
+    """Metric means over DP, computed on the last pipeline stage and sent to every stage."""
+    means = reduce_metrics(store, dp_group) if is_last_stage else {}
+    if pp == 1:
+        return means
+    from megatron.core import parallel_state as ps
+
+    box = [means]
+    # Object broadcast over the pipeline group: only the last stage holds the loss metrics.
+    dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
+                               group=ps.get_pipeline_model_parallel_group())
+    return box[0]

@@ -1,0 +1,194 @@
+"""SGLang's flat top-K format (JSON lists or base64 arrays), output side and scoring requests.
+
+What: `decode_flat_topk` reads `{side}_top_logprobs_{val,idx}_flat[_b64]` with its shape and
+null prefix (base64 decoded straight into numpy, no copy); `flat_output_top` turns the output side
+of a /generate response into [T, K] top-K arrays; `parse_scoring_response` attaches the top-K of a
+prefill-only scoring request to already parsed samples.
+"""
+
+from __future__ import annotations
+
+
+import numpy as np
+import pybase64
+import torch
+
+from rollout_bridge.decode import (
+    MalformedResponseError,
+    first,
+    floats,
+    folded_support,
+    gc_paused,
+    ints,
+    loads,
+    sort_rank_order,
+)
+from rollout_bridge.types import RolloutSample, RolloutValidationError
+
+
+def flat_output_top(meta: dict, t: int, top_logprobs: int, sample_index: int
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, int]]:
+    """Output-side flat top-K -> ([T,K] ids, [T,K] logprobs, [T,K] valid, stats).
+
+    Row r is output position null_prefix + r; positions before null_prefix have no top-K
+    (invalid slots, counted as short). -inf entries become invalid slots; NaN is an error.
+    """
+    vals_rk, idx_rk, null_prefix = decode_flat_topk(meta, sample_index, side="output")
+    rows, k = vals_rk.shape
+    if null_prefix + rows != t:
+        raise RolloutValidationError(
+            f"length mismatch: flat output top-K covers {null_prefix} + {rows} positions, "
+            f"output_token_logprobs {t}", sample_index, min(null_prefix + rows, t))
+    kk = min(k, top_logprobs)
+    ids_tk = np.zeros((t, top_logprobs), dtype=np.int64)
+    lp_tk = np.full((t, top_logprobs), -np.inf, dtype=np.float32)
+    ids_tk[null_prefix:, :kk] = idx_rk[:, :kk]
+    lp_tk[null_prefix:, :kk] = vals_rk[:, :kk]
+    if np.isnan(lp_tk).any():
+        p = first(np.isnan(lp_tk))
+        raise RolloutValidationError("NaN top-K logprob", sample_index, p)
+    valid_tk = np.isfinite(lp_tk)
+    short = null_prefix + (rows if k < top_logprobs else 0)
+    stats = {"num_short_positions": short,
+             "num_missing_topk_slots": int(null_prefix * top_logprobs
+                                           + rows * max(0, top_logprobs - k)),
+             "num_truncated_positions": rows if k > top_logprobs else 0,
+             "num_neg_inf_slots": int(np.isneginf(vals_rk[:, :kk]).sum())}
+    ids_tk, lp_tk, valid_tk = sort_rank_order(ids_tk, lp_tk, valid_tk)
+    return ids_tk, lp_tk, valid_tk, stats
+
+
+def has_flat_topk(meta: dict, side: str) -> bool:
+    """Whether `meta` carries SGLang's flat top-K for `side` ("input" or "output")."""
+    return (f"{side}_top_logprobs_val_flat_b64" in meta
+            or f"{side}_top_logprobs_val_flat" in meta)
+
+
+def decode_flat_topk(meta: dict, sample_index: int = 0, side: str = "input"
+                     ) -> tuple[np.ndarray, np.ndarray, int]:
+    """Decodes SGLang's flat top-K of one side; base64 arrays without copying.
+
+    Fields `{side}_top_logprobs_{val,idx}_flat_b64` (+ `_dtype`, little-endian) or the plain
+    JSON lists `{side}_top_logprobs_{val,idx}_flat`, with `{side}_top_logprobs_shape` [rows, k]
+    and `{side}_top_logprobs_null_prefix`. Entry j of covered position i is at
+    flat[(i - null_prefix) * k + j] (docs/engines.md, SGLang). side="output" exists since SGLang
+    0.5.22
+    (`return_flat_raw_output_top_logprobs`, finished non-streaming responses only).
+
+    Returns:
+        (values [rows, k] fp32, ids [rows, k] int32, null_prefix); read-only views for base64.
+    """
+    try:
+        shape = meta[f"{side}_top_logprobs_shape"]
+        if f"{side}_top_logprobs_val_flat_b64" in meta:
+            val_b64 = meta[f"{side}_top_logprobs_val_flat_b64"]
+            idx_b64 = meta[f"{side}_top_logprobs_idx_flat_b64"]
+        else:
+            val_b64 = idx_b64 = None
+            val_list = meta[f"{side}_top_logprobs_val_flat"]
+            idx_list = meta[f"{side}_top_logprobs_idx_flat"]
+    except KeyError as exc:
+        raise MalformedResponseError(
+            f"response lacks {exc.args[0]} (request return_flat_raw_"
+            f"{'output_' if side == 'output' else ''}top_logprobs)", sample_index) from None
+    rows, k = int(shape[0]), int(shape[1])
+    if val_b64 is not None:
+        val_name = meta.get(f"{side}_top_logprobs_val_flat_b64_dtype", "float32")
+        idx_name = meta.get(f"{side}_top_logprobs_idx_flat_b64_dtype", "int32")
+        val_dtype = np.dtype(val_name).newbyteorder("<")
+        idx_dtype = np.dtype(idx_name).newbyteorder("<")
+        vals = np.frombuffer(pybase64.b64decode(val_b64), dtype=val_dtype)
+        idx = np.frombuffer(pybase64.b64decode(idx_b64), dtype=idx_dtype)
+    else:
+        vals = floats(val_list, len(val_list)).astype(np.float32)
+        idx = ints(idx_list, len(idx_list), f"{side}_top_logprobs_idx_flat", sample_index)
+    if vals.size != rows * k or idx.size != rows * k:
+        raise RolloutValidationError(
+            f"flat top-K has {vals.size} values / {idx.size} ids, shape says {rows}x{k}",
+            sample_index)
+    return vals.reshape(rows, k), idx.reshape(rows, k), int(meta.get(
+        f"{side}_top_logprobs_null_prefix", 0) or 0)
+
+
+def scoring_rows(prompt_len: int, num_response: int, logprob_start_len: int,
+                 null_prefix: int) -> np.ndarray:
+    """Flat-array rows that score the response tokens of a scoring request.
+
+    The scoring request sends input_ids = prompt + response. Covered input positions start at
+    `logprob_start_len`; the first `null_prefix` covered positions have no row (position 0 has no
+    predictor). The row of input position q is the distribution of the token *at* q (computed
+    from the logits of q - 1), so response token t (input position prompt_len + t) is scored by
+    row prompt_len + t - logprob_start_len - null_prefix.
+
+    Returns:
+        [T] int64 row indices.
+    """
+    first = prompt_len - logprob_start_len - null_prefix
+    if first < 0:
+        raise ValueError(f"scoring request does not cover the response: prompt_len={prompt_len}, "
+                         f"logprob_start_len={logprob_start_len}, null_prefix={null_prefix}")
+    return first + np.arange(num_response, dtype=np.int64)
+
+
+def parse_scoring_response(body: bytes | str | dict | list, samples: list[RolloutSample],
+                           top_logprobs: int, vocab_size: int | None = None, *,
+                           logprob_start_lens: list[int] | None = None,
+                           validate: bool = True) -> list[RolloutSample]:
+    """Attaches the flat base64 top-K of a scoring request to already parsed samples.
+
+    The scoring request (one item per sample) is: input_ids = prompt + response,
+    `max_new_tokens=0`, `logprob_start_len=len(prompt)`, `top_logprobs_num=K`,
+    `return_flat_raw_top_logprobs_b64=true`. The sampled-token logprob stays the one from the
+    generation (`behavior_logprob`); it is folded into the prefill top-K as usual.
+
+    Args:
+        body: Scoring response (list for batched requests, in `samples` order).
+        samples: Samples from the generation response; their `prompt_ids` must be set.
+        top_logprobs: K (the flat shape's k must be >= K; extra columns are ignored).
+        vocab_size: For validation.
+        logprob_start_lens: Per-sample logprob_start_len used (default: each prompt length).
+        validate: Check the support contract (`megatron_pdm.ops.support`).
+
+    Returns:
+        The same sample objects, with support_* replaced (shape [T, K+1]).
+    """
+    # decode and fold with the collector paused; the tree is released before it resumes
+    with gc_paused():
+        _attach_scoring(body, samples, top_logprobs, vocab_size, logprob_start_lens, validate)
+    return samples
+
+
+def _attach_scoring(body, samples, top_logprobs, vocab_size, logprob_start_lens, validate) -> None:
+    obj = loads(body) if isinstance(body, (bytes, bytearray, memoryview, str)) else body
+    objs = obj if isinstance(obj, list) else [obj]
+    if len(objs) != len(samples):
+        raise MalformedResponseError(f"scoring response has {len(objs)} items for "
+                                     f"{len(samples)} samples")
+    for i, (o, sample) in enumerate(zip(objs, samples)):
+        if not isinstance(o, dict) or not isinstance(o.get("meta_info"), dict):
+            raise MalformedResponseError("not a /generate response object", i)
+        vals_rk, idx_rk, null_prefix = decode_flat_topk(o["meta_info"], i)
+        if idx_rk.shape[1] < top_logprobs:
+            raise RolloutValidationError(f"flat top-K has k={idx_rk.shape[1]} < {top_logprobs}", i)
+        p = int(sample.prompt_ids.shape[0])
+        t = sample.num_tokens
+        start = p if logprob_start_lens is None else int(logprob_start_lens[i])
+        rows_t = scoring_rows(p, t, start, null_prefix)
+        if t and rows_t[-1] >= vals_rk.shape[0]:
+            raise RolloutValidationError(
+                f"flat top-K has {vals_rk.shape[0]} rows, response needs {rows_t[-1] + 1}", i,
+                int(vals_rk.shape[0] - rows_t[0]))
+        ids_tk = idx_rk[rows_t, :top_logprobs]
+        lp_tk = vals_rk[rows_t, :top_logprobs]
+        valid_tk = np.isfinite(lp_tk) | np.isnan(lp_tk)  # -inf -> invalid; NaN -> error below
+        ids_tk, lp_tk, valid_tk = sort_rank_order(ids_tk, lp_tk, valid_tk)
+        sampled_ids = sample.response_ids.numpy()
+        sampled_lp = sample.behavior_logprob.numpy().astype(np.float64)
+        ids_ts, lp_ts, valid_ts, n_in = folded_support(ids_tk, lp_tk, valid_tk, sampled_ids,
+                                                       sampled_lp, vocab_size, i, validate)
+        sample.support_ids = torch.from_numpy(ids_ts)
+        sample.support_logprobs = torch.from_numpy(lp_ts)
+        sample.support_valid = torch.from_numpy(valid_ts)
+        sample.meta_info["sampled_in_topk"] = n_in
+        sample.meta_info["topk_transport"] = "scoring_b64"
+        sample.meta_info["num_neg_inf_slots"] = int((~valid_tk).sum())
