@@ -1,0 +1,54 @@
+"""Packaging: supported ranges in setup.py, one exact tested point in constraints/ci.txt.
+
+The ranges must contain both the CI pins and megatron-core 0.19.2 (the newest release, checked on
+Python 3.12 by scripts/check_mcore_latest.sh); transformers is a runtime dependency (conversion,
+verification and the jsonl task import it); every pinned package satisfies its range.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _install_requires() -> dict[str, Requirement]:
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and node.targets[0].id == "INSTALL_REQUIRES":
+            reqs = [Requirement(r) for r in ast.literal_eval(node.value)]
+            return {r.name.lower(): r for r in reqs}
+    raise AssertionError("INSTALL_REQUIRES not found")
+
+
+def _pins() -> dict[str, Version]:
+    pins = {}
+    for line in (ROOT / "constraints" / "ci.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name, version = line.split("==")
+            pins[name.lower().replace("_", "-")] = Version(version)
+    return pins
+
+
+def test_ranges_not_pins_and_the_newest_megatron_core_inside():
+    reqs = _install_requires()
+    for name in ("torch", "megatron-core", "transformers"):
+        assert name in reqs, name
+        assert not any(s.operator == "==" for s in reqs[name].specifier), reqs[name]
+    assert Version("0.19.2") in reqs["megatron-core"].specifier
+    assert Version("0.16.1") in reqs["megatron-core"].specifier
+
+
+def test_ci_pins_satisfy_the_ranges():
+    reqs, pins = _install_requires(), _pins()
+    for name in ("torch", "megatron-core", "transformers", "numpy"):
+        assert name in pins, name
+    for name, req in reqs.items():
+        key = name.replace("_", "-")
+        if key in pins:
+            assert pins[key] in req.specifier, (name, pins[key], str(req.specifier))
