@@ -1,11 +1,8 @@
 """Rollouts from SGLang servers and the weight sync that keeps them on-policy (`engine: sglang`).
 
 Rollout: global rank 0 sends the iteration's prompts to `rollout_bridge.SGLangEngine`
-(`rollout.sglang_url`; token ids in, top-K logprobs out), checks that every sample was generated
-by the weight version the trainer last pushed (`check_weight_version`: a stale rollout is an
-error, never silently trained on) and broadcasts the `RolloutBatch` to every rank
-(`broadcast_object_list`); each data-parallel rank then trains on its slice. A failure on rank 0
-is broadcast too, so every rank raises instead of hanging in the next collective.
+(`rollout.sglang_url`; token ids in, top-K logprobs out); the rank-0 driving, the version check
+and the broadcast to every rank are `ServerRollout`'s (server_rollout.py).
 
 Weight sync (after each iteration's optimizer steps, and once before the first rollout):
 1. every rank saves its model shard with megatron `dist_checkpointing` into a scratch directory
@@ -30,72 +27,38 @@ import json
 import logging
 import os
 import shutil
-import time
 
 import torch.distributed as dist
 
-from rollout_bridge.types import RolloutBatch, check_weight_version
+from megatron_pdm.train.server_rollout import ServerRollout
 
 logger = logging.getLogger(__name__)
 
 
-class SGLangRollout:
-    """Rank 0 talks to SGLang; every rank receives the same `RolloutBatch`."""
+class SGLangRollout(ServerRollout):
+    """Rank 0 talks to SGLang; every rank receives the same `RolloutBatch` (server_rollout.py)."""
 
     def __init__(self, cfg, arch, trainer_module_fn, *, meta: dict | None, style: str):
         r = cfg.rollout
-        self.cfg = cfg
-        self.arch = arch
-        self._module = trainer_module_fn
         self.style = style
         self.root = os.path.abspath(r.hf_checkpoint)
         self.meta_base = meta or {}
         self.load_dir = cfg.checkpoint.load_dir
-        self.version: str | None = None
-        self.last_sync_s = 0.0
         if r.rollout_precision in ("bf16", "fp8"):
             self.export_dtype = "bf16"
         else:
             self.export_dtype = cfg.precision.params_dtype
-        self.client = None
-        if dist.get_rank() == 0:
-            from rollout_bridge import SGLangEngine
+        super().__init__(cfg, arch, trainer_module_fn)
 
-            os.makedirs(self.root, exist_ok=True)
-            self.client = SGLangEngine(
-                r.sglang_url, top_logprobs=r.top_logprobs, timeout_s=r.timeout_s,
-                max_retries=r.max_retries,
-                seed=cfg.seed, vocab_size=arch.vocab_size, raise_on_failure=True,
-                topk_transport=r.topk_transport)
-        self._on_rank0(lambda: self.client.check_server())
+    def _make_client(self):
+        from rollout_bridge import SGLangEngine
 
-    # ------------------------------------------------------------------ helpers
-
-    def _on_rank0(self, fn):
-        """Runs fn on rank 0 and broadcasts its result (or its exception) to every rank."""
-        box = [None]
-        if dist.get_rank() == 0:
-            try:
-                box[0] = ("ok", fn())
-            except Exception as exc:  # noqa: BLE001 - re-raised on every rank
-                box[0] = ("error", f"{type(exc).__name__}: {exc}")
-                logger.exception("rank 0 SGLang call failed")
-        dist.broadcast_object_list(box, src=0)
-        status, value = box[0]
-        if status == "error":
-            raise RuntimeError(f"SGLang rollout/sync failed on rank 0: {value}")
-        return value
-
-    # ------------------------------------------------------------------ rollouts
-
-    def generate(self, prompt_ids: list[list[int]], params: dict, n: int) -> RolloutBatch:
-        def run():
-            batch = self.client.generate(prompt_ids, params, n=n)
-            if self.version is not None:
-                check_weight_version(batch, self.version)
-            return batch
-
-        return self._on_rank0(run)
+        r = self.cfg.rollout
+        os.makedirs(self.root, exist_ok=True)
+        return SGLangEngine(
+            r.sglang_url, top_logprobs=r.top_logprobs, timeout_s=r.timeout_s,
+            max_retries=r.max_retries, seed=self.cfg.seed, vocab_size=self.arch.vocab_size,
+            raise_on_failure=True, topk_transport=r.topk_transport)
 
     # ------------------------------------------------------------------ weight sync
 
@@ -114,11 +77,10 @@ class SGLangRollout:
             "hf_config": self.meta_base.get("hf_config") or {},
         }
 
-    def sync(self, version: str) -> None:
+    def _push(self, version: str) -> None:
         """Collective: export the current weights and push them to the servers as `version`."""
         from megatron_pdm.mcore.checkpoint import save_model
 
-        t0 = time.time()
         scratch = os.path.join(self.root, f".dist_v{version}")
         target = os.path.join(self.root, f"v{version}")
         if dist.get_rank() == 0 and os.path.isdir(scratch):
@@ -144,9 +106,6 @@ class SGLangRollout:
             return True
 
         self._on_rank0(export_and_push)
-        self.version = str(version)
-        self.last_sync_s = time.time() - t0
-        logger.info("weight sync to version %s: %.2f s", version, self.last_sync_s)
 
     def _cleanup(self, keep: str) -> None:
         keep_n = max(1, self.cfg.rollout.keep_synced)
@@ -156,12 +115,3 @@ class SGLangRollout:
             path = os.path.join(self.root, d)
             if path != keep:
                 shutil.rmtree(path, ignore_errors=True)
-
-    # ------------------------------------------------------------------ state
-
-    def state_dict(self) -> dict:
-        return {"version": self.version}
-
-    def load_state_dict(self, state: dict) -> None:
-        # After a resume the trainer pushes its restored weights again (same version string).
-        self.version = state.get("version")

@@ -1,0 +1,148 @@
+"""Rollouts from an inference server driven by global rank 0, shared by every server engine.
+
+Every rank of the trainer needs the same `RolloutBatch`, but only rank 0 talks to the server: it
+calls the engine client (SGLang, vLLM: `rollout_bridge`), checks that every sample was generated
+by the weight version the trainer expects, and broadcasts the batch (`broadcast_object_list`);
+each data-parallel rank then trains on its slice. A failure on rank 0 is broadcast too, so every
+rank raises instead of hanging in the next collective.
+
+Generation can run in the background (`submit` / `collect`): on rank 0 the client call runs in a
+thread while the trainer keeps training, which is how rollouts overlap with training
+(`rollout.overlap`). `submit` records the version the server holds at that moment; `collect`
+joins the thread, checks the batch against that version and broadcasts it. Weight pushes must
+not run while a generation is in flight (`sync` refuses).
+
+Subclasses provide the client (`_make_client`, rank 0 only) and the push (`_push`, collective:
+gathering the weights involves every rank).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from rollout_bridge.types import RolloutBatch, check_weight_version
+
+logger = logging.getLogger(__name__)
+
+
+class PendingRollout:
+    """A generation started by `ServerRollout.submit` (a thread on rank 0, nothing elsewhere)."""
+
+    def __init__(self, expected_version: str | None):
+        self.expected_version = expected_version
+        self.thread: threading.Thread | None = None
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.started = time.time()
+
+
+class ServerRollout:
+    """Base class: rank 0 drives a server engine; every rank gets the same batches."""
+
+    def __init__(self, cfg, arch, trainer_module_fn: Callable):
+        self.cfg = cfg
+        self.arch = arch
+        self._module = trainer_module_fn
+        self.version: str | None = None
+        self.last_sync_s = 0.0
+        self._in_flight: PendingRollout | None = None
+        self.client = self._make_client() if dist.get_rank() == 0 else None
+        self._on_rank0(self._check_server)
+
+    # ------------------------------------------------------------------ subclass API
+
+    def _make_client(self):
+        """Rank 0: the engine client (a `rollout_bridge` engine)."""
+        raise NotImplementedError
+
+    def _check_server(self) -> Any:
+        """Rank 0: startup checks against the server (raise on a mismatch)."""
+        return self.client.check_server()
+
+    def _push(self, version: str) -> None:
+        """Collective: push the trainer's current weights to the server as `version`."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ helpers
+
+    def _on_rank0(self, fn: Callable[[], Any]) -> Any:
+        """Runs fn on rank 0 and broadcasts its result (or its exception) to every rank."""
+        box = [None]
+        if dist.get_rank() == 0:
+            try:
+                box[0] = ("ok", fn())
+            except Exception as exc:  # noqa: BLE001 - re-raised on every rank
+                box[0] = ("error", f"{type(exc).__name__}: {exc}")
+                logger.exception("rank 0 rollout-server call failed")
+        # Object broadcast from rank 0: the result (or the error text) reaches every rank.
+        dist.broadcast_object_list(box, src=0)
+        status, value = box[0]
+        if status == "error":
+            raise RuntimeError(f"rollout server call failed on rank 0: {value}")
+        return value
+
+    # ------------------------------------------------------------------ rollouts
+
+    def submit(self, prompt_ids: list[list[int]], params: dict, n: int) -> PendingRollout:
+        """Starts a generation (rank 0: in a background thread). Not collective."""
+        if self._in_flight is not None:
+            raise RuntimeError("a generation is already in flight; collect it first")
+        pending = PendingRollout(self.version)
+        if dist.get_rank() == 0:
+            def run():
+                try:
+                    pending.result = self.client.generate(prompt_ids, params, n=n)
+                except BaseException as exc:  # noqa: BLE001 - re-raised by collect
+                    pending.error = exc
+
+            pending.thread = threading.Thread(target=run, name="rollout", daemon=True)
+            pending.thread.start()
+        self._in_flight = pending
+        return pending
+
+    def collect(self, pending: PendingRollout) -> RolloutBatch:
+        """Collective: waits for `pending` and hands its batch to every rank."""
+        if pending is not self._in_flight:
+            raise RuntimeError("collect() got a generation that is not the one in flight")
+        self._in_flight = None
+
+        def finish():
+            pending.thread.join()
+            if pending.error is not None:
+                raise pending.error
+            batch = pending.result
+            if pending.expected_version is not None:
+                check_weight_version(batch, pending.expected_version)
+            return batch
+
+        return self._on_rank0(finish)
+
+    def generate(self, prompt_ids: list[list[int]], params: dict, n: int) -> RolloutBatch:
+        """Collective: submit + collect."""
+        return self.collect(self.submit(prompt_ids, params, n))
+
+    # ------------------------------------------------------------------ weight sync
+
+    def sync(self, version: str) -> None:
+        """Collective: push the current weights as `version` (no generation may be in flight)."""
+        if self._in_flight is not None:
+            raise RuntimeError("weight sync while a generation is in flight: collect it first")
+        t0 = time.time()
+        self._push(str(version))
+        self.version = str(version)
+        self.last_sync_s = time.time() - t0
+        logger.info("weight sync to version %s: %.2f s", version, self.last_sync_s)
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict:
+        return {"version": self.version}
+
+    def load_state_dict(self, state: dict) -> None:
+        # After a resume the trainer pushes its restored weights again (same version string).
+        self.version = state.get("version")
