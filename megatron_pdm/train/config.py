@@ -227,9 +227,14 @@ class LogConfig:
     tensorboard: bool = True
     plot: bool = True
     progress: bool = True
+    save_rollouts: int = 0
+    """Keep the scored rollout batches of the last N iterations under `<output_dir>/rollouts/`
+    (rank 0 writes `rollout_<iteration>.pt` and deletes older ones; read by
+    tools/analyze_masks.py). 0 = off. Size ~ response tokens x (9 (K+1) + 13) bytes per batch."""
 
     def __post_init__(self) -> None:
         check_fields(self, "log")
+        _positive("log", self, "save_rollouts", allow_zero=True)
 
 
 @dataclass(kw_only=True)

@@ -41,6 +41,7 @@ from megatron_pdm.mcore.model import build_model, transformer_config
 from megatron_pdm.mcore.parallel import current_parallel_info, init_parallel
 from megatron_pdm.train import model_setup as ms
 from megatron_pdm.train import rollout as ro
+from megatron_pdm.train import rollout_store
 from megatron_pdm.train import warmup as wu
 from megatron_pdm.train.config import RunConfig
 from megatron_pdm.train.logging_utils import MetricsWriter, Progress, is_rank0, log_rank0
@@ -167,6 +168,7 @@ class Trainer:
         rewards = [self.task.score(problems[s.group_index], s.response_ids.tolist())
                    for s in batch.samples]
         batch.set_rewards(rewards)
+        rollout_store.save_rollout(cfg, self.iteration, batch)  # log.save_rollouts (opt-in)
         packed = pack_padded(batch, group_advantages(batch), pad_id=self.task.pad_id,
                              pad_to_multiple_of=cfg.parallel.tp)
         t_rollout = time.time() - t0
