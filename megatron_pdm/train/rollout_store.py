@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from rollout_bridge.types import RolloutBatch, RolloutSample
 
-__all__ = ["FORMAT", "save_rollout", "load_rollout", "list_rollouts", "rollout_dir"]
+__all__ = ["FORMAT", "list_rollouts", "load_rollout", "rollout_dir", "save_rollout"]
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,24 @@
+"""Token-level analysis of the trust-region masks (issue 13; docs/math.md §3.7).
+
+Does the predictive direction keep fewer unsafe updates? For each seed the study fixes a model +
+optimizer state and a batch, computes D, the masks and Ddot of several direction criteria on the
+same tokens, takes ONE real optimizer step per criterion from the same state, recomputes D
+against the stored behaviour policy and counts what happened to the tokens each mask kept.
+
+Modules (one job each):
+
+    criteria.py       the direction criteria (same proximity and delta; only the direction differs)
+    token_table.py    per-token quantities of one evaluation (D, r, A, Ddot terms, masks)
+    counting.py       per-seed counts and rates from the before/after tables (shared by the CLI
+                      and the closed-form test)
+    seed_study.py     one seed: evaluate, snapshot, step per criterion, re-evaluate, restore
+    snapshot.py       exact snapshot / restore / verify of a megatron model + optimizer
+    megatron_probe.py the Probe over the real megatron model (forward-only stats, one step)
+    summary.py        across seeds: pooled and mean rates, paired wins, bootstrap intervals
+    plots.py          the PNGs (paired per-seed comparison, predicted vs realised, global term)
+    report.py         JSON and Markdown outputs
+    study.py          the whole study (what tools/analyze_masks.py runs under torchrun)
+
+The driver's opt-in rollout saver that feeds it lives in train/rollout_store.py (the driver
+may not import this package).
+"""

@@ -1,0 +1,151 @@
+"""The study's Probe over a run's real megatron model and optimizer (any TP / EP / DP / PP).
+
+- `evaluate()` runs megatron's schedule forward-only (`collect_non_loss_data=True`) over this
+  DP rank's micro-batches; the "loss function" computes the vocab-parallel `token_stats` of the
+  logits shard (the same op and the same batch facts as training: temperature, engine vocab,
+  validation state) and the study's `token_table`. Tables are gathered over DP and sent from the
+  last pipeline stage to every stage, so every rank holds the whole study batch's table (TP ranks
+  hold identical tables: the op's statistics are replicated after its all-reduces).
+- `step(cfg)` is the driver's own optimizer step (`train/schedule.optimizer_step`: zero grads,
+  megatron forward/backward with `mcore/loss_adapter.make_loss_func(mb, cfg)`, the run's optimizer
+  with its Adam state, gradient clipping and DP/TP reductions).
+- `snapshot` / `restore` / `verify` are `analysis/snapshot.py` on this rank; `verify` makes every
+  rank see the worst rank's result.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_pdm.analysis import snapshot as snap_mod
+from megatron_pdm.analysis.token_table import TokenTable, token_table
+from megatron_pdm.config import PolicyLossConfig
+from megatron_pdm.mcore import loss_adapter
+from megatron_pdm.parallel.vocab_parallel import token_stats
+from megatron_pdm.train.schedule import optimizer_step
+
+__all__ = ["MegatronProbe", "verify_all_ranks"]
+
+
+def _tp_group():
+    from megatron.core import parallel_state as ps
+
+    return (ps.get_tensor_model_parallel_group()
+            if ps.get_tensor_model_parallel_world_size() > 1 else None)
+
+
+class MegatronProbe:
+    """Probe of `seed_study.measure_seed` over a DDP-wrapped GPTModel and megatron optimizer.
+
+    Args:
+        model: the run's megatron DDP model.
+        optimizer: the run's megatron optimizer (state loaded from the checkpoint).
+        microbatches: this DP rank's `PackedBatch` micro-batches of the study minibatch.
+        criteria: the study criteria (their masks and directions go into the tables).
+        pp: pipeline-parallel size.
+        stats_dtype: dtype the logits shard is cast to before `token_stats` in `evaluate`
+            (float64 by default: D and Ddot of near-deterministic tokens change by ~1e-7 per
+            step, the size of fp32 rounding in the statistics; the training steps are untouched).
+            float32 halves the evaluation memory of a large-vocabulary model.
+    """
+
+    def __init__(self, model, optimizer, microbatches: list, criteria: list, *, pp: int,
+                 stats_dtype: torch.dtype = torch.float64):
+        if not microbatches:
+            raise ValueError("MegatronProbe: this data-parallel rank has no micro-batch; use at "
+                             "least DP x microbatches_per_minibatch samples per minibatch")
+        self.model = model
+        self.optimizer = optimizer
+        self.microbatches = microbatches
+        self.criteria = criteria
+        self.pp = pp
+        self.stats_dtype = stats_dtype
+
+    # ------------------------------------------------------------------ evaluation
+
+    def _table_of(self, output_tensor: torch.Tensor, mb) -> TokenTable:
+        b, s = mb.labels.shape
+        logits_bsv = loss_adapter.to_bsv(output_tensor, b, s)
+        # bs row order, as flat(); a copy in the statistics dtype (the output itself is unused).
+        logits_NVl = logits_bsv.reshape(b * s, logits_bsv.shape[-1]).to(self.stats_dtype)
+        f = mb.flat()
+        check = not bool(getattr(mb, "validated", False))
+        stats = token_stats(logits_NVl, f["labels"], f["support_ids"], f["support_logprobs"],
+                            f["support_valid"], tp_group=_tp_group(),
+                            vocab_size=loss_adapter.batch_vocab_size(mb),
+                            temperature=float(mb.temperature), validate=check)
+        return token_table(stats, f["advantages"], f["behavior_logprob"], f["loss_mask"],
+                           self.criteria, seq_ids_N=f["seq_ids"])
+
+    def evaluate(self) -> TokenTable:
+        from megatron.core import parallel_state as ps
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        tables: list[TokenTable] = []
+        mbs = self.microbatches
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            output = model(mb.tokens, mb.position_ids, attention_mask=None)
+
+            def collect(output_tensor, non_loss_data=False):
+                table = self._table_of(output_tensor, mb)
+                tables.append(table)
+                return table
+
+            return output, collect
+
+        b, s = mbs[0].tokens.shape
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                get_forward_backward_func()(
+                    forward_step_func=forward_step, data_iterator=iter(mbs), model=[self.model],
+                    num_microbatches=len(mbs), seq_length=s, micro_batch_size=b,
+                    forward_only=True, collect_non_loss_data=True)
+        finally:
+            self.model.train()
+        local = TokenTable.cat(tables)
+        dp_group = ps.get_data_parallel_group()
+        if dist.get_world_size(dp_group) > 1:
+            parts = [None] * dist.get_world_size(dp_group)
+            # Object all-gather over DP: each rank contributes its micro-batches' rows, in DP
+            # rank order (= the minibatch's sample order, as the driver splits it).
+            dist.all_gather_object(parts, local.columns, group=dp_group)
+            local = TokenTable.cat([TokenTable(p) for p in parts])
+        if self.pp > 1:
+            box = [local.columns]
+            # Object broadcast over the pipeline group: only the last stage computed the tables.
+            dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
+                                       group=ps.get_pipeline_model_parallel_group())
+            local = TokenTable(box[0])
+        return local
+
+    # ------------------------------------------------------------------ step and state
+
+    def step(self, cfg: PolicyLossConfig) -> None:
+        optimizer_step(self.model, self.optimizer, self.microbatches,
+                       lambda mb: loss_adapter.make_loss_func(mb, cfg), pp=self.pp)
+
+    def snapshot(self) -> snap_mod.StateSnapshot:
+        return snap_mod.take_snapshot(self.model, self.optimizer)
+
+    def restore(self, snap: snap_mod.StateSnapshot) -> None:
+        snap_mod.restore_snapshot(snap, self.model, self.optimizer)
+
+    def verify(self, snap: snap_mod.StateSnapshot) -> list[str]:
+        return verify_all_ranks(snap, self.model, self.optimizer)
+
+
+def verify_all_ranks(snap: snap_mod.StateSnapshot, model, optimizer) -> list[str]:
+    """`snapshot.verify_snapshot` on this rank, made collective: non-empty on every rank when
+    any rank's state differs from its snapshot (so all ranks raise together, none hangs)."""
+    bad = snap_mod.verify_snapshot(snap, model, optimizer)
+    worst = torch.tensor([len(bad)], dtype=torch.int64,
+                         device="cuda" if torch.cuda.is_available() else "cpu")
+    # MAX all-reduce over all ranks of the number of differing entries.
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    if int(worst) and not bad:
+        bad = [f"another rank ({int(worst)} entries)"]
+    return bad

@@ -1,0 +1,152 @@
+"""The study's JSON and Markdown outputs.
+
+`results.json`: {"setup": what was run (checkpoint, batch source, seeds, delta, criteria, layout,
+timing), "summary": `summarize` output, "per_seed": the `count_seed` dicts}.
+
+`results.md`: three tables (per criterion; paired comparison against the ratio direction; the
+first-order prediction scored against the unmasked step) with the PDM paper's reported numbers
+as a reference row, so the comparison is on the page.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+from megatron_pdm.analysis.summary import sign_test_p
+
+__all__ = ["PAPER", "markdown", "write_json"]
+
+PAPER = {
+    "unsafe_keep_rate_ratio": 0.369, "unsafe_keep_rate_predictive": 0.342, "wins": 38,
+    "seeds": 61, "disagree_per_seed": 82, "out_of_region_per_seed": 1435,
+    "source": "PDM (arXiv 2607.10848) as summarised in docs/math.md §3.7, §8.1",
+}
+
+
+def _clean(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    return x
+
+
+def write_json(path: str, setup: dict, summary: dict, per_seed: list[dict]) -> str:
+    with open(path, "w") as f:
+        json.dump(_clean({"setup": setup, "summary": summary, "per_seed": per_seed}), f,
+                  indent=1)
+    return path
+
+
+def _pct(x, digits: int = 1) -> str:
+    return "n/a" if x is None else f"{100 * x:.{digits}f}%"
+
+
+def _pp(x) -> str:
+    return "n/a" if x is None else f"{100 * x:+.2f} pp"
+
+
+def _ci(ci, scale: float = 100.0, unit: str = "") -> str:
+    return "" if not ci else f" [{scale * ci[0]:.1f}, {scale * ci[1]:.1f}]{unit}"
+
+
+def _num(x, digits: int = 1) -> str:
+    return "n/a" if x is None else f"{x:.{digits}f}"
+
+
+def _criteria_table(summary: dict) -> list[str]:
+    header = ("| criterion | D, δ | out-of-region / seed | kept out-of-region / seed | "
+              "disagree with ratio (out-of-region / all) / seed | unsafe-keep rate, pooled | "
+              "unsafe-keep rate, seed mean [95% CI] | shrink share, pooled | "
+              "own-step sign accuracy |")
+    lines = [header, "|---|---|---|---|---|---|---|---|---|"]
+    for name, c in summary["criteria"].items():
+        u = c["unsafe_keep_rate"]
+        dis = ("—" if c["mean_n_disagree"] is None else
+               f"{_num(c['mean_n_disagree_out_of_region'])} / {_num(c['mean_n_disagree'])}")
+        lines.append(
+            f"| {name} | {c['divergence']}, {c['delta']:g} | {_num(c['mean_n_out_of_region'])} | "
+            f"{_num(c['mean_n_kept_out_of_region'])} | {dis} | {_pct(u['pooled'])} | "
+            f"{_pct(u['mean'])}{_ci(u['ci95'])} | {_pct(c['shrink_share']['pooled'])} | "
+            f"{_pct(c['own_sign_accuracy']['pooled'])} |")
+    return lines
+
+
+def _paired_table(summary: dict) -> list[str]:
+    lines = [("| criterion vs baseline | seeds | wins / losses / ties | mean difference "
+              "[95% CI] | sign test p |"), "|---|---|---|---|---|"]
+    for p in summary["paired"]:
+        ci = "" if not p["ci95"] else f" [{100 * p['ci95'][0]:+.2f}, {100 * p['ci95'][1]:+.2f}]"
+        pval = "n/a" if p["sign_test_p"] is None else f"{p['sign_test_p']:.3f}"
+        lines.append(f"| {p['criterion']} vs {p['baseline']} | {p['seeds']} | {p['wins']} / "
+                     f"{p['losses']} / {p['ties']} | {_pp(p['mean_difference'])}{ci} | {pval} |")
+    return lines
+
+
+def _prediction_table(summary: dict) -> list[str]:
+    lines = [("| direction | sign accuracy, all active tokens | out of region | on its "
+              "disagreement set with ratio: this direction / ratio direction (tokens) |"),
+             "|---|---|---|---|"]
+    for name, c in summary["criteria"].items():
+        pr = c.get("prediction")
+        if not pr:
+            continue
+        dis = "—"
+        if "disagree_accuracy" in pr:
+            n = c["total_n_disagree"]
+            dis = (f"{_pct(pr['disagree_accuracy']['pooled'])} / "
+                   f"{_pct(pr['baseline_disagree_accuracy']['pooled'])} ({n})")
+        lines.append(f"| {name} | {_pct(pr['accuracy']['pooled'])} | "
+                     f"{_pct(pr['accuracy_out_of_region']['pooled'])} | {dis} |")
+    return lines
+
+
+def markdown(setup: dict, summary: dict) -> str:
+    """The results page (see the module docstring)."""
+    p = PAPER
+    head = [
+        f"# Token-level mask study: {summary['seeds']} seeds",
+        "",
+        (f"Checkpoint `{setup.get('checkpoint')}` (iteration "
+         f"{setup.get('checkpoint_iteration')}), batches: {setup.get('batch_source')}, analysis "
+         f"minibatch {setup.get('minibatch')} after {setup.get('stale_steps')} driver steps on "
+         f"the same rollout batch, layout TP={setup.get('tp')} DP={setup.get('dp')} "
+         f"PP={setup.get('pp')}, optimizer {setup.get('optimizer')} with "
+         f"{setup.get('adam_state')} Adam state, lr {setup.get('lr')}, statistics in "
+         f"{setup.get('stats_dtype')}, wall time {_num(setup.get('wall_s'), 0)} s "
+         f"({_num(setup.get('seconds_per_seed'), 1)} s per seed)."),
+        "",
+        ("Active tokens: loss tokens with A ≠ 0. Out of region: D > δ before the step. "
+         "Unsafe keep: kept by the mask, out of region, and D grew after ONE optimizer step "
+         "(each criterion's own step, from the same state, on the same tokens; D against the "
+         "stored behaviour policy)."),
+        "",
+        "## Per criterion",
+        "",
+        *_criteria_table(summary),
+        "",
+        (f"Paper (PDM, 61 seeds): unsafe-keep rate {_pct(p['unsafe_keep_rate_ratio'])} (ratio) "
+         f"vs {_pct(p['unsafe_keep_rate_predictive'])} (predictive); ~{p['disagree_per_seed']} "
+         f"disagreeing tokens of ~{p['out_of_region_per_seed']:,} out-of-region tokens per seed "
+         f"({p['source']}; the denominator is our reading)."),
+        "",
+        "## Paired comparison (unsafe-keep rate; a lower rate wins)",
+        "",
+        *_paired_table(summary),
+        "",
+        (f"Paper: predictive better in {p['wins']} of {p['seeds']} seeds (two-sided sign test "
+         f"p = {sign_test_p(p['wins'], p['seeds'] - p['wins']):.3f} if the other "
+         f"{p['seeds'] - p['wins']} were losses)."),
+        "",
+        "## First-order prediction vs the realised change (unmasked reference step)",
+        "",
+        *_prediction_table(summary),
+        "",
+        ("On a disagreement set the two signs differ, so exactly one of them matches the "
+         "realised change of every decided token: the two percentages sum to 100%."),
+        "",
+    ]
+    return "\n".join(head)

@@ -1,0 +1,324 @@
+"""The mask study over a run's checkpoint: what `tools/analyze_masks.py` runs under torchrun.
+
+Setup (the driver's own building blocks): `Trainer(cfg)` builds the layout, the megatron model,
+the run's optimizer and rollout source from the run config; the chosen dist checkpoint is loaded
+into model AND optimizer (Adam state included) with `mcore/checkpoint.load_checkpoint` (or the
+model only with `adam_state="fresh"`), its train state (engine counters, RNG) restored, and the
+engine synced to its weights.
+
+What a seed is. Every seed starts from the checkpoint's exact state (snapshot, restored bit for
+bit before each seed) and gets its own rollout batch:
+
+    fresh  seed s: the batch the driver would generate at the checkpoint's iteration i if its
+           seed were s: prompts `task.problems(s, i, P)`, samples from the configured engine at
+           the checkpoint's weights (the local engine's sampling generator is seeded by s; a
+           server engine samples with its own randomness), rewards, Dr.GRPO advantages.
+    saved  seed = one batch saved by the driver (`log.save_rollouts`; all saved batches, oldest
+           first); its iteration's distance to the checkpoint is recorded as staleness (0: the
+           checkpoint is the state that generated it, the driver's own situation).
+
+The batch is split into the driver's minibatches (the driver's permutation for (seed,
+iteration)); the driver's own optimizer steps with the run's loss are taken on minibatches
+0..j-1, and minibatch j (default: the last one, the most off-policy step of an iteration, as in
+training) is the study batch: `measure_seed` evaluates it, takes one step per criterion from
+that state, and counts (seed_study.py, counting.py). Outputs (rank 0): results.json,
+results.md, tokens.npz (per-token arrays of all seeds) and the PNGs of plots.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megatron_pdm.analysis import plots, report
+from megatron_pdm.analysis import snapshot as snap_mod
+from megatron_pdm.analysis.criteria import (
+    DEFAULT_CRITERIA,
+    build_criteria,
+    keep_all_config,
+)
+from megatron_pdm.analysis.megatron_probe import MegatronProbe, verify_all_ranks
+from megatron_pdm.analysis.seed_study import measure_seed, token_arrays
+from megatron_pdm.analysis.summary import summarize
+from megatron_pdm.configtree import ConfigError, apply_override
+from megatron_pdm.mcore import checkpoint as ckpt
+from megatron_pdm.mcore import loss_adapter
+from megatron_pdm.mcore import optimizer as mopt
+from megatron_pdm.train import rollout_store
+from megatron_pdm.train.config import RunConfig
+from megatron_pdm.train.schedule import optimizer_step
+from rollout_bridge.packing import pack_padded
+from rollout_bridge.types import RolloutBatch, group_advantages
+
+__all__ = ["StudyArgs", "resolve_config", "run_study"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StudyArgs:
+    """What the CLI passes (see tools/analyze_masks.py for the flags)."""
+
+    out_dir: str
+    config: str | None = None
+    overrides: list[str] = field(default_factory=list)
+    run_dir: str | None = None
+    checkpoint: str | None = None
+    batches: str = "fresh"
+    rollouts: str | None = None
+    seeds: list[int] = field(default_factory=lambda: list(range(1, 21)))
+    """fresh batches: the seeds (saved batches: every saved file is one seed)."""
+    criteria: list[str] = field(default_factory=lambda: list(DEFAULT_CRITERIA))
+    delta_kl: float = 0.15
+    delta_tv: float = 0.2
+    minibatch: int | None = None
+    tol: float = 0.0
+    bootstrap_seed: int = 0
+    plots: bool = True
+    stats_dtype: str = "fp64"
+    """"fp64" or "fp32": dtype of the statistics in the evaluations (MegatronProbe)."""
+    adam_state: str = "checkpoint"
+    """"checkpoint" (model + optimizer state) or "fresh" (model only; see `_load`)."""
+
+
+def _rollouts_dir(a: StudyArgs) -> str | None:
+    if a.rollouts:
+        return a.rollouts
+    return rollout_store.rollout_dir(a.run_dir) if a.run_dir else None
+
+
+def resolve_config(a: StudyArgs) -> RunConfig:
+    """The run config (+ --set): --config, else `<run-dir>/config.yaml` (the driver writes it),
+    else the one stored with the newest saved batch."""
+    if a.config:
+        return RunConfig.load(a.config, list(a.overrides))
+    if a.run_dir and os.path.exists(os.path.join(a.run_dir, "config.yaml")):
+        return RunConfig.load(os.path.join(a.run_dir, "config.yaml"), list(a.overrides))
+    saved = rollout_store.list_rollouts(_rollouts_dir(a) or "")
+    if not saved:
+        raise ConfigError("no run config: pass --config (the driver's yaml), or a --run-dir "
+                          "holding config.yaml or saved rollouts (log.save_rollouts > 0)")
+    _, _, data = rollout_store.load_rollout(saved[-1][1])
+    for item in a.overrides:
+        apply_override(data, item)
+    return RunConfig.from_dict(data)
+
+
+def _checkpoint_path(a: StudyArgs) -> str:
+    if a.checkpoint:
+        if not os.path.isdir(a.checkpoint):
+            raise ConfigError(f"--checkpoint {a.checkpoint}: not a directory")
+        return a.checkpoint
+    if not a.run_dir:
+        raise ConfigError("pass --checkpoint (a dist checkpoint iter_N) or --run-dir")
+    path = ckpt.latest_checkpoint(os.path.join(a.run_dir, "checkpoints"))
+    if path is None:
+        raise ConfigError(f"--run-dir {a.run_dir}: no complete checkpoint in checkpoints/")
+    return path
+
+
+def _load(path: str, trainer, adam_state: str) -> dict:
+    """Loads the checkpoint into the trainer's model (and optimizer); returns its train state.
+
+    adam_state "checkpoint": model + optimizer (Adam moments and step) as the run saved them.
+    "fresh": the model only, the optimizer as built (no Adam state yet): the state a layout
+    change needs when the checkpoint's optimizer state cannot be resharded to it (the CPU
+    layouts group expert parameters differently at TP = 1 and TP > 1), and an ablation that
+    removes the momentum of the run's earlier steps.
+    """
+    if adam_state == "checkpoint":
+        return ckpt.load_checkpoint(path, trainer.model, trainer.optimizer)
+    from megatron.core import dist_checkpointing
+
+    ckpt.load_model(path, trainer.model)
+    for sub in mopt.sub_optimizers(trainer.optimizer):
+        if hasattr(sub, "reload_model_params"):  # fp32 main copies of 16-bit params
+            sub.reload_model_params()
+    return dist_checkpointing.load_common_state_dict(path)["train_state"]
+
+
+def _seed_engine(rollout, seed: int) -> bool:
+    """Seeds the local engine's sampling generator with `seed` (False: a server engine)."""
+    engine = getattr(rollout, "engine", None)
+    if engine is None or not hasattr(engine, "load_state_dict"):
+        return False
+    state = dict(engine.state_dict(), seed=int(seed), calls=0)
+    engine.load_state_dict(state)
+    return True
+
+
+def _fresh_batch(trainer, seed: int, iteration: int) -> RolloutBatch:
+    """The rollout of rl_iteration at `iteration` with the driver seed replaced by `seed`."""
+    r, task = trainer.cfg.rollout, trainer.task
+    _seed_engine(trainer.rollout, seed)
+    problems = task.problems(seed, iteration, r.prompts_per_iteration)
+    params = {"temperature": r.temperature, "max_new_tokens": task.max_new_tokens,
+              "stop_token_ids": [task.eos_id]}
+    batch = trainer.rollout.generate([task.prompt_ids(q) for q in problems], params,
+                                     r.group_size)
+    batch.set_rewards([task.score(problems[s.group_index], s.response_ids.tolist())
+                       for s in batch.samples])
+    return batch
+
+
+def _minibatches(trainer, batch: RolloutBatch, perm_seed: int, j: int):
+    """(the driver's micro-batches of minibatches 0..j-1 for this DP rank, those of minibatch j)."""
+    cfg = trainer.cfg
+    packed = pack_padded(batch, group_advantages(batch), pad_id=trainer.task.pad_id,
+                         pad_to_multiple_of=cfg.parallel.tp)
+    g = torch.Generator().manual_seed(perm_seed)
+    chunks = torch.randperm(len(batch.samples), generator=g).chunk(
+        cfg.train.minibatches_per_iteration)
+    if j >= len(chunks):
+        raise ConfigError(f"--minibatch {j}: the batch has only {len(chunks)} minibatches")
+
+    def mine(idx):  # as Trainer._dp_microbatches: this DP rank's slice, split into micro-batches
+        part = idx.chunk(trainer.info.dp_size)[trainer.info.dp_rank]
+        return [packed.select_rows(m) for m in part.chunk(cfg.train.microbatches_per_minibatch)
+                if len(m)]
+
+    return [mine(c) for c in chunks[:j]], mine(chunks[j])
+
+
+def _batches(a: StudyArgs, trainer, ckpt_iteration: int):
+    """Yields (seed label, batch, iteration, permutation seed) per study seed."""
+    cfg = trainer.cfg
+    if a.batches == "fresh":
+        for s in a.seeds:
+            batch = _fresh_batch(trainer, s, ckpt_iteration)
+            yield s, batch, ckpt_iteration, s * 31 + ckpt_iteration  # the driver's permutation
+        return
+    saved = rollout_store.list_rollouts(_rollouts_dir(a) or "")
+    if not saved:
+        raise ConfigError(f"--batches saved: no saved rollouts in {_rollouts_dir(a)}")
+    for _, path in saved:
+        batch, it, _ = rollout_store.load_rollout(path)
+        yield it, batch, it, cfg.seed * 31 + it  # the driver's own permutation
+
+
+def _gather_setup(a, cfg, path, ckpt_iteration, trainer, j) -> dict:
+    info = trainer.info
+    return {"checkpoint": path, "checkpoint_iteration": ckpt_iteration,
+            "batch_source": (f"fresh rollouts ({cfg.rollout.engine} engine), "
+                             f"{cfg.rollout.prompts_per_iteration} prompts x "
+                             f"{cfg.rollout.group_size} samples per seed" if a.batches == "fresh"
+                             else f"saved by the driver ({_rollouts_dir(a)})"),
+            "batches": a.batches, "minibatch": j, "stale_steps": j,
+            "minibatches_per_iteration": cfg.train.minibatches_per_iteration,
+            "criteria": list(a.criteria), "delta_kl": a.delta_kl, "delta_tv": a.delta_tv,
+            "tol": a.tol, "stats_dtype": a.stats_dtype, "tp": info.tp_size, "dp": info.dp_size, "pp": info.pp_size,
+            "ep": info.ep_size, "world_size": info.world_size,
+            "optimizer": ("megatron DistributedOptimizer (Adam)"
+                          if cfg.parallel.use_distributed_optimizer else "megatron Adam"),
+            "adam_state": a.adam_state,
+            "lr": cfg.train.lr, "clip_grad": cfg.train.clip_grad, "run_loss": cfg.loss.name,
+            "ratio_cap": cfg.loss.ratio_cap, "torch_threads": torch.get_num_threads(),
+            "device": "cuda" if torch.cuda.is_available() else "cpu",
+            "run_config": cfg.to_dict()}
+
+
+def run_study(a: StudyArgs) -> dict | None:
+    """Runs the study (collective: every rank of the torchrun job calls it).
+
+    Returns:
+        The results dict on rank 0 (also written to a.out_dir), None on other ranks.
+    """
+    from megatron_pdm.train.trainer import Trainer
+
+    if a.batches not in ("fresh", "saved"):
+        raise ConfigError(f"--batches must be 'fresh' or 'saved', got {a.batches!r}")
+    if not a.seeds:
+        raise ConfigError("--seeds: at least one seed")
+    if a.adam_state not in ("checkpoint", "fresh"):
+        raise ConfigError(f"--adam-state must be 'checkpoint' or 'fresh', got {a.adam_state!r}")
+    dtypes = {"fp64": torch.float64, "fp32": torch.float32}
+    if a.stats_dtype not in dtypes:
+        raise ConfigError(f"--stats-dtype must be one of {list(dtypes)}, got {a.stats_dtype!r}")
+    stats_dtype = dtypes[a.stats_dtype]
+    cfg = resolve_config(a)
+    path = _checkpoint_path(a)
+    j = cfg.train.minibatches_per_iteration - 1 if a.minibatch is None else a.minibatch
+    if not 0 <= j < cfg.train.minibatches_per_iteration:
+        raise ConfigError(f"--minibatch {j} must be in [0, train.minibatches_per_iteration="
+                          f"{cfg.train.minibatches_per_iteration})")
+    criteria = build_criteria(a.criteria, cfg.loss, delta_kl=a.delta_kl, delta_tv=a.delta_tv)
+    t_start = time.time()
+    trainer = Trainer(cfg)
+    trainer.load_train_state(_load(path, trainer, a.adam_state))
+    mopt.set_lr(trainer.optimizer, cfg.train.lr)
+    ckpt_iteration = trainer.iteration
+    if a.batches == "fresh":
+        trainer.sync_weights()  # the engine samples from the checkpoint's weights
+    start = snap_mod.take_snapshot(trainer.model, trainer.optimizer)
+    keep_all = keep_all_config(cfg.loss)
+    pp = cfg.parallel.pp
+    per_seed, tokens, labels, staleness, seed_times = [], [], [], [], []
+    for label, batch, it, perm_seed in _batches(a, trainer, ckpt_iteration):
+        t0 = time.time()
+        snap_mod.restore_snapshot(start, trainer.model, trainer.optimizer)
+        bad = verify_all_ranks(start, trainer.model, trainer.optimizer)
+        if bad:
+            raise RuntimeError(f"seed {label}: the checkpoint state is not restored bit-exactly "
+                               f"({len(bad)} entries differ, first: {bad[:5]})")
+        stale, study_mbs = _minibatches(trainer, batch, perm_seed, j)
+        for mbs in stale:  # the driver's own steps before minibatch j, with the run's loss
+            optimizer_step(trainer.model, trainer.optimizer, mbs,
+                           lambda mb: loss_adapter.make_loss_func(mb, cfg.loss), pp=pp)
+        probe = MegatronProbe(trainer.model, trainer.optimizer, study_mbs, criteria, pp=pp,
+                              stats_dtype=stats_dtype)
+        m = measure_seed(probe, criteria, keep_all, tol=a.tol)
+        m.counts.update(seed=label, batch_iteration=it, staleness=ckpt_iteration - it)
+        per_seed.append(m.counts)
+        arrays = token_arrays(m, criteria)
+        arrays["seed"] = torch.full_like(arrays["adv"], float(label))
+        tokens.append(arrays)
+        labels.append(label)
+        staleness.append(ckpt_iteration - it)
+        seed_times.append(time.time() - t0)
+        c0 = m.counts["criteria"][criteria[0].name]
+        logger.info("seed %s: %d active tokens, %d out of region, unsafe-keep %s (%s), %.1f s",
+                    label, m.counts["n_active"], c0["n_out_of_region"],
+                    {c.name: m.counts["criteria"][c.name]["unsafe_keep_rate"] for c in criteria},
+                    criteria[0].name, seed_times[-1])
+    wall = time.time() - t_start
+    result = None
+    if dist.get_rank() == 0:
+        setup = _gather_setup(a, cfg, path, ckpt_iteration, trainer, j)
+        setup.update(seeds=labels, staleness=staleness, wall_s=wall,
+                     seconds_per_seed=sum(seed_times) / len(seed_times),
+                     seed_seconds=seed_times)
+        result = write_outputs(a, setup, per_seed, tokens, criteria, cfg.loss.ratio_cap)
+    dist.barrier()
+    return result
+
+
+def write_outputs(a: StudyArgs, setup: dict, per_seed: list[dict], tokens: list[dict],
+                  criteria: list, ratio_cap: float) -> dict:
+    """results.json, results.md, tokens.npz and the PNGs into a.out_dir."""
+    import numpy as np
+
+    os.makedirs(a.out_dir, exist_ok=True)
+    summary = summarize(per_seed, criteria, bootstrap_seed=a.bootstrap_seed)
+    report.write_json(os.path.join(a.out_dir, "results.json"), setup, summary, per_seed)
+    with open(os.path.join(a.out_dir, "results.md"), "w") as f:
+        f.write(report.markdown(setup, summary))
+    keys = list(tokens[0])
+    cat = {k: torch.cat([t[k] for t in tokens]) for k in keys}
+    np.savez_compressed(os.path.join(a.out_dir, "tokens.npz"),
+                        **{k.replace("/", "__"): v.numpy() for k, v in cat.items()})
+    files = ["results.json", "results.md", "tokens.npz"]
+    kl_pred = [c.name for c in criteria if c.baseline == "ratio"]
+    if a.plots and kl_pred:
+        title = (f"{len(per_seed)} seeds, D_K > δ = {a.delta_kl:g}, checkpoint iteration "
+                 f"{setup['checkpoint_iteration']} ({setup['adam_state']} Adam state), "
+                 f"minibatch {setup['minibatch']}, TP={setup['tp']}")
+        dis = "pdm-exact" if "pdm-exact" in kl_pred else kl_pred[0]
+        files += [os.path.basename(p) for p in plots.plot_all(
+            summary, cat, a.out_dir, title=title, ratio_cap=ratio_cap,
+            disagree_key=f"disagree/{dis}")]
+    return {"setup": setup, "summary": summary, "per_seed": per_seed, "files": files}

@@ -1,0 +1,141 @@
+"""tools/analyze_masks.py end to end on the tiny CPU model (2 gloo processes, issue 13).
+
+One short driver run (TP=2, the default DistributedOptimizer, `log.save_rollouts=2`, a dense
+partial-credit reward so that a short warm-up already gives non-zero advantages) provides
+checkpoints with Adam state and the two rollout batches it saved. The tool then runs on the saved
+batches from the iteration-1 checkpoint:
+
+- at TP=2 with the checkpoint's optimizer state (the default path): every output is written
+  (results.json with one record per saved batch, results.md, tokens.npz, the three PNGs), and the
+  batch of iteration 1 is on-policy for that checkpoint (staleness 0);
+- at TP=2 and at TP=1 (DP=2: the data-parallel gather of the tables and the DP-sharded optimizer
+  are exercised too), both with `--adam-state fresh` because the checkpoint's optimizer state
+  cannot be resharded from TP=2 to TP=1 on CPU (expert parameters form a second optimizer group
+  only at TP > 1); the driver's step before the study minibatch builds the Adam state in both.
+  Every count and rate is equal, and the per-token values agree to 1e-5. The counts can only be
+  equal because no decision lies near its boundary compared with the TP=1/TP=2 rounding
+  difference, which is asserted too (a failure then says whether the tool or the case is at
+  fault).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.e2e._launch import ROOT, _free_port, launch
+
+pytestmark = [pytest.mark.megatron, pytest.mark.slow]
+
+DELTA = 0.01  # the tiny short run is barely off-policy: a small delta puts tokens out of region
+RUN = ["log.save_rollouts=2",
+       "train.iterations=2", "checkpoint.save_interval=1", "checkpoint.keep_last=3",
+       "rollout.prompts_per_iteration=8", "loss.preset=pdm-exact",
+       "task.partial_credit=true"]  # a dense reward: non-zero advantages after a short warm-up
+
+
+def _tool(run_dir: str, out: str, tp: int, *extra: str) -> None:
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    cmd = [torchrun, "--nproc-per-node", "2", "--master-port", str(_free_port()),
+           os.path.join(ROOT, "tools", "analyze_masks.py"), "--run-dir", run_dir,
+           "--checkpoint", os.path.join(run_dir, "checkpoints", "iter_0000001"),
+           "--batches", "saved", "--delta-kl", str(DELTA), "--out-dir", out,
+           "--set", f"parallel.tp={tp}", *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400,
+                          check=False)
+    if proc.returncode != 0:
+        errors = [line for line in proc.stderr.splitlines()
+                  if "Error" in line or line.startswith("error:")]
+        raise AssertionError(f"analyze_masks failed ({proc.returncode}):\n{proc.stdout[-2000:]}"
+                             f"\n{proc.stderr[-3000:]}\nerror lines:\n" + "\n".join(errors[-20:]))
+
+
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("masks")
+    run_dir = str(base / "run")
+    launch(run_dir, RUN)
+    out = {"default": str(base / "tp2_checkpoint_adam")}
+    _tool(run_dir, out["default"], 2)
+    for tp in (2, 1):
+        out[tp] = str(base / f"tp{tp}_fresh_adam")
+        _tool(run_dir, out[tp], tp, "--adam-state", "fresh")
+    return out
+
+
+def _results(out: str) -> dict:
+    with open(os.path.join(out, "results.json")) as f:
+        return json.load(f)
+
+
+def test_all_outputs_written(outputs):
+    out = outputs["default"]
+    for name in ("results.json", "results.md", "tokens.npz", "paired.png",
+                 "predicted_vs_realised.png", "global_term.png"):
+        path = os.path.join(out, name)
+        assert os.path.getsize(path) > 1000, name
+    r = _results(out)
+    assert [s["batch_iteration"] for s in r["per_seed"]] == [0, 1]
+    assert [s["staleness"] for s in r["per_seed"]] == [1, 0]
+    assert r["setup"]["tp"] == 2 and r["setup"]["checkpoint_iteration"] == 1
+    assert r["setup"]["adam_state"] == "checkpoint" and r["setup"]["stale_steps"] == 1
+    assert set(r["summary"]["criteria"]) == {"ratio", "pdm-agg", "pdm-uniform", "pdm-exact"}
+    assert [p["criterion"] for p in r["summary"]["paired"]] == ["pdm-agg", "pdm-uniform",
+                                                                 "pdm-exact"]
+    for s in r["per_seed"]:
+        assert s["n_active"] > 0
+        for c in s["criteria"].values():
+            assert c["n_kept_out_of_region"] + c["n_masked_out_of_region"] == c["n_out_of_region"]
+    # The case is informative: tokens out of region (in the stale batch at least).
+    assert r["summary"]["criteria"]["ratio"]["total_n_out_of_region"] > 0
+    with open(os.path.join(out, "results.md")) as f:
+        md = f.read()
+    assert "unsafe-keep rate" in md and "36.9%" in md  # the paper's number is on the page
+
+
+def _flat(x, path=""):
+    if isinstance(x, dict):
+        return {k: v for key, val in x.items() for k, v in _flat(val, f"{path}/{key}").items()}
+    if isinstance(x, list):
+        return {k: v for i, val in enumerate(x) for k, v in _flat(val, f"{path}[{i}]").items()}
+    return {path: x}
+
+
+def test_tp2_equals_tp1(outputs):
+    a, b = _results(outputs[2]), _results(outputs[1])
+    assert (a["setup"]["tp"], a["setup"]["dp"]) == (2, 1)
+    assert (b["setup"]["tp"], b["setup"]["dp"]) == (1, 2)
+    ta, tb = (np.load(os.path.join(outputs[tp], "tokens.npz")) for tp in (2, 1))
+    assert sorted(ta.files) == sorted(tb.files)
+    noise = {}
+    for key in ta.files:
+        np.testing.assert_allclose(ta[key], tb[key], atol=1e-5, rtol=0, err_msg=key)
+        noise[key] = float(np.abs(ta[key] - tb[key]).max())
+    # No decision is near its boundary compared with the layouts' rounding difference.
+    delta = a["setup"]["delta_kl"]
+    at_boundary = "the case has a decision within 10x the TP rounding difference of its boundary"
+    assert np.abs(ta["topk_kl"] - delta).min() > 10 * noise["topk_kl"], at_boundary
+    for key in ta.files:
+        if key.startswith(("away__", "delta_d")):
+            assert np.abs(ta[key]).min() > 10 * noise[key], (at_boundary, key, noise[key])
+    fa, fb = _flat(a["per_seed"]), _flat(b["per_seed"])
+    assert fa.keys() == fb.keys()
+    for key, va in fa.items():
+        vb = fb[key]
+        if isinstance(va, float) and isinstance(vb, float):
+            assert va == pytest.approx(vb, abs=1e-5), key
+        else:
+            assert va == vb, key  # every count (and None) exactly
+    fa, fb = _flat(a["summary"]), _flat(b["summary"])
+    for key, va in fa.items():  # the summary (rates, wins, bootstrap intervals) too
+        if isinstance(va, float):
+            assert va == pytest.approx(fb[key], abs=1e-5), key
+        else:
+            assert va == fb[key], key

@@ -1,0 +1,98 @@
+"""Token-level mask study: does the predictive direction keep fewer unsafe updates? (issue 13)
+
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 tools/analyze_masks.py \
+        --config examples/tiny_cpu/config.yaml --run-dir runs/tiny_cpu --out-dir runs/masks \
+        [--checkpoint runs/tiny_cpu/checkpoints/iter_0000050] [--batches fresh|saved] \
+        [--seeds 1 2 ... | --num-seeds 20] [--criteria ratio pdm-agg pdm-uniform pdm-exact]
+        [--delta-kl 0.15] [--minibatch J] [--set dotted.key=value ...]
+
+For each seed: from the checkpoint's model AND optimizer state, compute D (Top-K KL), the masks
+and Ddot of each direction criterion on the same tokens, take one real optimizer step per
+criterion from the same state, recompute D against the stored behaviour policy, and count the
+kept out-of-region tokens whose D grew (the unsafe-keep rate), the disagreement set and the sign
+accuracy of the first-order prediction; then paired win counts and bootstrap intervals over
+seeds. Same code at any layout (TP/EP/DP/PP: run it with the run's torchrun layout, overridable
+with --set parallel.tp=...). Writes results.json, results.md, tokens.npz, paired.png,
+predicted_vs_realised.png and global_term.png into --out-dir (rank 0).
+
+The library is megatron_pdm/analysis/ (study.py documents what a seed is); this file only parses
+the flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def parse_args(argv=None):
+    from megatron_pdm.analysis.criteria import CRITERIA, DEFAULT_CRITERIA
+
+    p = argparse.ArgumentParser(prog="tools/analyze_masks.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="the run's config yaml (default: the one stored with the "
+                                    "run's saved rollouts)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="run-config override, e.g. rollout.prompts_per_iteration=128")
+    p.add_argument("--run-dir", help="the driver's output dir (checkpoints/, rollouts/)")
+    p.add_argument("--checkpoint", help="a dist checkpoint dir (default: the run's latest)")
+    p.add_argument("--batches", choices=("fresh", "saved"), default="fresh",
+                   help="fresh: one new rollout batch per seed from the configured engine; "
+                        "saved: every batch the driver saved (log.save_rollouts) is one seed")
+    p.add_argument("--rollouts", help="dir of saved batches (default: <run-dir>/rollouts)")
+    seeds = p.add_mutually_exclusive_group()
+    seeds.add_argument("--seeds", type=int, nargs="+", help="fresh-batch seeds")
+    seeds.add_argument("--num-seeds", type=int, default=20, help="seeds 1..N (default 20)")
+    p.add_argument("--criteria", nargs="+", default=list(DEFAULT_CRITERIA),
+                   choices=list(CRITERIA), help="direction criteria to compare")
+    p.add_argument("--delta-kl", type=float, default=0.15, help="δ of the Top-K KL criteria")
+    p.add_argument("--delta-tv", type=float, default=0.2, help="δ of the Top-K TV criteria")
+    p.add_argument("--minibatch", type=int, default=None,
+                   help="study minibatch j of the rollout batch, after the driver's steps on "
+                        "0..j-1 (default: the last one)")
+    p.add_argument("--tol", type=float, default=0.0,
+                   help="dead zone: |ΔD| <= tol counts as neither growing nor shrinking")
+    p.add_argument("--stats-dtype", choices=("fp64", "fp32"), default="fp64",
+                   help="dtype of the evaluated statistics (fp64: resolves the ~1e-7 changes of "
+                        "near-deterministic tokens; fp32: half the memory on large vocabularies)")
+    p.add_argument("--adam-state", choices=("checkpoint", "fresh"), default="checkpoint",
+                   help="checkpoint: the run's optimizer state (Adam moments); fresh: model "
+                        "only, Adam starts empty (a layout whose optimizer state the checkpoint "
+                        "cannot reshard to, or an ablation without the run's momentum)")
+    p.add_argument("--bootstrap-seed", type=int, default=0)
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--out-dir", required=True)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from megatron_pdm.analysis.study import StudyArgs, run_study
+    from megatron_pdm.mcore.parallel import destroy_parallel
+    from megatron_pdm.train.logging_utils import setup_logging
+
+    setup_logging()
+    seeds = args.seeds if args.seeds else list(range(1, args.num_seeds + 1))
+    study = StudyArgs(out_dir=args.out_dir, config=args.config, overrides=args.overrides,
+                      run_dir=args.run_dir, checkpoint=args.checkpoint, batches=args.batches,
+                      rollouts=args.rollouts, seeds=seeds, criteria=args.criteria,
+                      delta_kl=args.delta_kl, delta_tv=args.delta_tv, minibatch=args.minibatch,
+                      tol=args.tol, bootstrap_seed=args.bootstrap_seed,
+                      plots=not args.no_plots, stats_dtype=args.stats_dtype,
+                      adam_state=args.adam_state)
+    try:
+        result = run_study(study)
+        if result is not None:
+            print((Path(args.out_dir) / "results.md").read_text(), flush=True)
+    finally:
+        destroy_parallel()
+    return 0
+
+
+if __name__ == "__main__":
+    from megatron_pdm.cli import run_cli
+
+    sys.exit(run_cli(main))
