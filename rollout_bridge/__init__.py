@@ -1,10 +1,11 @@
-"""rollout_bridge: rollouts with behaviour-policy top-K support, from SGLang or in-process.
+"""rollout_bridge: rollouts with behaviour-policy top-K support, from SGLang, vLLM or in-process.
 
 Public API (README, "Rollout bridge")::
 
     from rollout_bridge import SGLangEngine, LocalEngine, parse_generate_response
     samples = parse_generate_response(body, top_logprobs=20, vocab_size=None)
     engine = SGLangEngine("http://127.0.0.1:30000", top_logprobs=20, vocab_size=151936)
+    engine = VLLMEngine("http://127.0.0.1:8000", top_logprobs=20, api_key=key)  # or vLLM
     batch = engine.generate(prompt_ids, {"temperature": 1.0, "max_new_tokens": 256}, n=8)
     packed = pack_thd(batch, advantages=group_advantages(batch))
 
@@ -27,6 +28,8 @@ _EXPORTS = {
     "parse_generate_response": "rollout_bridge.parse",
     "parse_scoring_response": "rollout_bridge.parse_flat",
     "SGLangEngine": "rollout_bridge.sglang_client",
+    "VLLMEngine": "rollout_bridge.vllm_client",
+    "parse_completion_choice": "rollout_bridge.parse_vllm",
     "EngineMismatchError": "rollout_bridge.types",
     "PackedBatch": "rollout_bridge.types",
     "RolloutBatch": "rollout_bridge.types",
