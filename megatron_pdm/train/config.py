@@ -111,9 +111,9 @@ class RolloutConfig:
     """Weights of the rollout copy: None/"fp32" (identical to training), "bf16" or "fp8". With a
     server engine: the dtype of the exported weights (fp8 exports bf16 and the server quantises
     on load, `launch_sglang.sh ROLLOUT_PRECISION=fp8`)."""
-    engine: Literal["local", "sglang"] = "local"
-    """"local": LocalEngine over a megatron copy on every rank (CPU demo); "sglang": rank 0
-    requests rollouts from SGLang servers and broadcasts them."""
+    engine: Literal["local", "sglang", "vllm"] = "local"
+    """"local": LocalEngine over a megatron copy on every rank (CPU demo); "sglang" / "vllm":
+    rank 0 requests rollouts from SGLang servers / a vLLM server and broadcasts them."""
     sglang_url: str | None = None
     """SGLang server base URL (engine=sglang)."""
     hf_checkpoint: str | None = None
@@ -134,6 +134,24 @@ class RolloutConfig:
     """engine=sglang: "json", "flat_b64" or "scoring_b64" (README, "Binary top-K path")."""
     keep_synced: int = 2
     """engine=sglang: exported weight directories kept on disk (older ones are deleted)."""
+    overlap: bool = False
+    """Server engines: generate iteration i+1's rollouts while iteration i trains (one-step
+    off-policy, as slime's async mode / verl's one-step-off-policy). Each batch records the
+    weight version it was generated with; `rollout/staleness` (trainer version minus that) is
+    1 from the second iteration on, and the loss's mu is that older policy's log-probs."""
+    vllm_url: str | None = None
+    """engine=vllm: base URL of vLLM's OpenAI-compatible server (weights are pushed in memory,
+    no shared disk; `python -m megatron_pdm.train.vllm_server` starts one for a config)."""
+    vllm_api_key_env: str = "PDM_VLLM_API_KEY"
+    """engine=vllm: environment variable holding the server's API key (sent on every request;
+    never put the key itself in a config)."""
+    vllm_allow_insecure_dev_routes: bool = False
+    """engine=vllm: accept a non-loopback server whose dev routes (/collective_rpc runs worker
+    methods) answer without the API key. Refused by default (docs/engines.md, vLLM)."""
+    vllm_restart_wait_s: float = 0.0
+    """engine=vllm: after a connection failure, wait up to this long for the server to come back
+    (a supervisor restarting it); a restarted server gets the last weights again and the lost
+    samples are re-drawn. 0: no waiting, the run fails with an error naming the samples."""
 
     def __post_init__(self) -> None:
         check_fields(self, "rollout")
@@ -147,6 +165,13 @@ class RolloutConfig:
             if missing:
                 raise ConfigError("rollout.engine=sglang needs " +
                                   " and ".join(f"rollout.{k}" for k in missing))
+        if self.engine == "vllm" and not self.vllm_url:
+            raise ConfigError("rollout.engine=vllm needs rollout.vllm_url")
+        _positive("rollout", self, "vllm_restart_wait_s", allow_zero=True)
+        if self.overlap and self.engine == "local":
+            raise ConfigError("rollout.overlap=true needs a server engine (rollout.engine=sglang "
+                              "or vllm): the local engine runs in the trainer's own processes on "
+                              "the same cores, so there is nothing to overlap with")
 
 
 @dataclass(kw_only=True)

@@ -15,7 +15,7 @@ model.
 
 Pipeline parallelism is not supported here (the engine copy would need its own pipeline
 schedule for every decode step); at scale rollouts come from SGLang (`rollout.engine: sglang`,
-sglang_rollout.py), which works with any PP.
+sglang_rollout.py) or vLLM (`rollout.engine: vllm`, vllm_rollout.py), which work with any PP.
 """
 
 from __future__ import annotations
@@ -60,7 +60,8 @@ def engine_weights(trainer_module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def build_rollout(cfg, arch, tconfig, task, trainer_module_fn, *, meta: dict | None):
-    """The run's rollout source: `LocalRollout` (engine copy on every rank) or `SGLangRollout`."""
+    """The run's rollout source: `LocalRollout` (engine copy on every rank), `SGLangRollout` or
+    `VLLMRollout` (a server driven by rank 0)."""
     from megatron_pdm.train import model_setup as ms
 
     r = cfg.rollout
@@ -68,6 +69,10 @@ def build_rollout(cfg, arch, tconfig, task, trainer_module_fn, *, meta: dict | N
         from megatron_pdm.train.sglang_rollout import SGLangRollout
 
         return SGLangRollout(cfg, arch, trainer_module_fn, meta=meta, style=ms.key_style(cfg))
+    if r.engine == "vllm":
+        from megatron_pdm.train.vllm_rollout import VLLMRollout
+
+        return VLLMRollout(cfg, arch, trainer_module_fn)
     from megatron_pdm.mcore.model import build_model
 
     rollout_gpt = build_model(arch, tconfig, use_te=ms.use_te(cfg))

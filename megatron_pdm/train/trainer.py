@@ -14,6 +14,15 @@ One iteration:
    a bf16/FP8 engine is exactly the train/rollout mismatch the trust regions control.
 5. Weight sync (trainer -> engine), versioned by the iteration number.
 
+Overlap (`rollout.overlap`, server engines only): right after batch i is available, the prompts
+of iteration i+1 are submitted (rank 0 generates them in a background thread against the weights
+batch i was generated with), iteration i trains meanwhile, and batch i+1 is collected before the
+weight sync (the server must be idle during a push). So from the second iteration on every batch
+is one version stale (`rollout/staleness` = 1; the loss's mu is that older policy); the first
+iteration is generated synchronously. Checkpoints are taken after that collect: they hold the
+collected, not yet trained batch (`train_state["overlap_batch"]`), so a resumed run trains on
+exactly the batch the uninterrupted run would have; no generation is ever pending at a checkpoint.
+
 Start-up (`_prepare`, once per fresh run): push the initial weights, evaluate, run the optional
 supervised warm-up (warmup.py; reported separately, never counted as RL progress), push again,
 evaluate, save the iteration-0 checkpoint. `--resume` replaces all of it by a checkpoint load.
@@ -96,6 +105,10 @@ class Trainer:
         self.step = 0
         self.evals: dict[str, float] = {}
         self.ckpt_dir = os.path.join(cfg.output_dir, "checkpoints")
+        # rollout.overlap: the generation in flight, and the collected batch of self.iteration
+        self._pending = None
+        self._ready: tuple[list, object] | None = None
+        self._ready_wait_s = 0.0
 
     @property
     def module(self) -> torch.nn.Module:
@@ -119,6 +132,45 @@ class Trainer:
         params = {"temperature": temperature, "max_new_tokens": self.task.max_new_tokens,
                   "stop_token_ids": [self.task.eos_id]}
         return self.rollout.generate([self.task.prompt_ids(q) for q in problems], params, n)
+
+    # ------------------------------------------------------------------ overlap (rollout.overlap)
+
+    def _iteration_batch(self) -> tuple[list, object]:
+        """(problems, batch) of `self.iteration`; with overlap, also submits the next one."""
+        cfg, r = self.cfg, self.cfg.rollout
+        if not r.overlap:
+            self._ready = None  # a checkpoint from an overlapped run: regenerate instead
+            self._ready_wait_s = 0.0
+            problems = self.task.problems(cfg.seed, self.iteration, r.prompts_per_iteration)
+            return problems, self._generate(problems, r.temperature, r.group_size)
+        # the time the previous iteration waited for this batch (its collect before the sync)
+        wait = self._ready_wait_s if self._ready is not None else 0.0
+        if self._ready is None:  # first iteration (or a checkpoint without a batch): no overlap
+            self._submit(self.iteration)
+            self._collect_next()
+        ready, self._ready, self._ready_wait_s = self._ready, None, wait
+        if self.iteration + 1 < cfg.train.iterations:
+            self._submit(self.iteration + 1)  # generated with the weights `ready` came from
+        return ready
+
+    def _submit(self, iteration: int) -> None:
+        r = self.cfg.rollout
+        problems = self.task.problems(self.cfg.seed, iteration, r.prompts_per_iteration)
+        params = {"temperature": r.temperature, "max_new_tokens": self.task.max_new_tokens,
+                  "stop_token_ids": [self.task.eos_id]}
+        pending = self.rollout.submit([self.task.prompt_ids(q) for q in problems], params,
+                                      r.group_size)
+        self._pending = (problems, pending)
+
+    def _collect_next(self) -> None:
+        """Collective: waits for the submitted generation (if any) and keeps its batch."""
+        if self._pending is None:
+            return
+        t0 = time.time()
+        problems, pending = self._pending
+        self._pending = None
+        self._ready = (problems, self.rollout.collect(pending))
+        self._ready_wait_s = time.time() - t0
 
     def _dp_microbatches(self, idx: torch.Tensor) -> list[torch.Tensor]:
         """This DP rank's slice of a minibatch, split into micro-batches."""
@@ -163,8 +215,7 @@ class Trainer:
         """Rollout, advantages, `minibatches_per_iteration` optimizer steps, weight sync."""
         cfg, r = self.cfg, self.cfg.rollout
         t0 = time.time()
-        problems = self.task.problems(cfg.seed, self.iteration, r.prompts_per_iteration)
-        batch = self._generate(problems, r.temperature, r.group_size)
+        problems, batch = self._iteration_batch()
         rewards = [self.task.score(problems[s.group_index], s.response_ids.tolist())
                    for s in batch.samples]
         batch.set_rewards(rewards)
@@ -177,6 +228,8 @@ class Trainer:
             cfg.train.minibatches_per_iteration)
         version = (float(batch.weight_version) if str(batch.weight_version).isdigit()
                    else float("nan"))
+        staleness = self.iteration - version  # trainer weights = version str(self.iteration)
+        t_rollout += self._ready_wait_s
         last: dict = {}
         for j, idx in enumerate(minibatches):
             t1 = time.time()
@@ -189,11 +242,13 @@ class Trainer:
                     M.REWARD_FRAC_SOLVED_GROUPS: _frac_solved(rewards, r.group_size),
                     M.RESPONSE_LEN: float(packed.loss_mask.sum()) / len(batch.samples),
                     M.LR: cfg.train.lr, M.GRAD_NORM: grad_norm, **means,
-                    M.WEIGHT_VERSION: version,
+                    M.WEIGHT_VERSION: version, M.STALENESS: staleness,
                     M.TIME_ROLLOUT: t_rollout if j == 0 else 0.0,
-                    M.TIME_TRAIN_STEP: time.time() - t1}
+                    M.TIME_TRAIN_STEP: time.time() - t1, M.NUM_SAMPLES: len(batch.samples),
+                    M.TIME_UNIX: time.time()}
             writer.write(last)
         self.iteration += 1
+        self._collect_next()  # overlap: the server must be idle before the push
         t2 = time.time()
         self.sync_weights()
         last[M.TIME_WEIGHT_SYNC] = time.time() - t2
@@ -203,7 +258,8 @@ class Trainer:
 
     def train_state(self) -> dict:
         return {"iteration": self.iteration, "step": self.step, "evals": dict(self.evals),
-                "engine": self.rollout.state_dict(), "torch_rng": torch.get_rng_state()}
+                "engine": self.rollout.state_dict(), "torch_rng": torch.get_rng_state(),
+                "overlap_batch": _encode_ready(self._ready)}
 
     def load_train_state(self, state: dict) -> None:
         self.iteration = int(state["iteration"])
@@ -211,6 +267,7 @@ class Trainer:
         self.evals = dict(state["evals"])
         self.rollout.load_state_dict(state["engine"])
         torch.set_rng_state(state["torch_rng"])
+        self._ready = _decode_ready(state.get("overlap_batch"))
 
     def save(self) -> None:
         ckpt.save_checkpoint(self.ckpt_dir, self.iteration, self.model, self.optimizer,
@@ -266,6 +323,25 @@ class Trainer:
         self.evaluate("after_rl")
         self.save()
         return {"wall_s": time.time() - start}
+
+
+def _encode_ready(ready) -> bytes | None:
+    """The collected overlap batch as bytes (the checkpoint's common state loads weights-only)."""
+    if ready is None:
+        return None
+    import io
+
+    buf = io.BytesIO()
+    torch.save(ready, buf)
+    return buf.getvalue()
+
+
+def _decode_ready(blob: bytes | None):
+    if blob is None:
+        return None
+    import io
+
+    return torch.load(io.BytesIO(blob), weights_only=False)  # our own checkpoint's data
 
 
 def _frac_solved(rewards: list[float], group: int) -> float:

@@ -1,0 +1,105 @@
+"""Rollouts from a vLLM server and the in-memory weight sync that keeps it on-policy (`engine: vllm`).
+
+Rollout: global rank 0 sends the iteration's prompts to `rollout_bridge.vllm_client.VLLMEngine`
+(`rollout.vllm_url`; token ids in, top-K log-probs with ids out, one seed per sample); the rank-0
+driving, the background generation of `rollout.overlap`, the version check and the broadcast to
+every rank are `ServerRollout`'s (server_rollout.py).
+
+Weight sync (`_push`, collective; once before the first rollout, after each iteration's
+optimizer steps, after a resume):
+1. `megatron_pdm.convert.live.gather_hf_state_dict` gathers the live, sharded model (any
+   TP/EP/PP) as full HF-named tensors on global rank 0, one layer group at a time (vocabulary
+   padding stripped) - no checkpoint, no disk;
+2. rank 0 serialises them as one safetensors blob and `VLLMEngine.update_weights` sends it,
+   base64, through `/collective_rpc` to the worker extension (rollout_bridge/vllm_worker_ext.py),
+   which reloads the weights in place and re-runs the CPU MoE expert prepack that vLLM 0.32.0
+   skips on reload; the worker's digest of what it loaded must equal the trainer's
+   (`canonical_digest`), then the version is set and read back.
+Dtype: fp32/None rollout precision pushes the training dtype (the fp32 server then holds exactly
+the trainer's weights: the CI exactness check), bf16/fp8 push bf16 (an fp32 CPU server holds the
+bf16-rounded weights, the same mismatch as the local engine's bf16 simulation; a GPU server
+started with --dtype bfloat16 / --quantization fp8 casts or quantises on load).
+
+Cost: one gather (all_gather_object of the manifests + one send/recv per shard) and one HTTP
+request carrying 4/3 x the model's bytes: fine for small models (the tiny CPU model: ~0.6 MB,
+~0.1-0.5 s under load). Large models on GPUs use vLLM's weight-transfer engine instead (NCCL
+broadcast, `VLLMEngine.update_weights_via_transfer`; docs/engines.md, vLLM), not wired here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from megatron_pdm.train.server_rollout import ServerRollout
+
+logger = logging.getLogger(__name__)
+
+
+class VLLMRollout(ServerRollout):
+    """Rank 0 talks to vLLM; every rank receives the same `RolloutBatch` (server_rollout.py)."""
+
+    def __init__(self, cfg, arch, trainer_module_fn):
+        r = cfg.rollout
+        if r.rollout_precision in ("bf16", "fp8"):
+            self.push_dtype = torch.bfloat16
+        else:
+            self.push_dtype = {"fp32": torch.float32,
+                               "bf16": torch.bfloat16}[cfg.precision.params_dtype]
+        self.last_push: dict = {}
+        super().__init__(cfg, arch, trainer_module_fn)
+
+    def _make_client(self):
+        from rollout_bridge.vllm_client import VLLMEngine
+
+        r = self.cfg.rollout
+        key = os.environ.get(r.vllm_api_key_env)
+        if not key:
+            logger.warning("rollout.vllm_api_key_env=%s is not set: requests carry no API key",
+                           r.vllm_api_key_env)
+        return VLLMEngine(
+            r.vllm_url, top_logprobs=r.top_logprobs, api_key=key, timeout_s=r.timeout_s,
+            max_retries=r.max_retries, seed=self.cfg.seed, vocab_size=self.arch.vocab_size,
+            raise_on_failure=True, recover_timeout_s=r.vllm_restart_wait_s,
+            allow_insecure_dev_routes=r.vllm_allow_insecure_dev_routes)
+
+    def _check_server(self) -> dict:
+        info = self.client.check_server()
+        facts = info["facts"][0]
+        logger.info("vLLM server %s: model %s, vLLM %s, dtype %s, vocab %s, weight version %s, "
+                    "dev routes %s", self.cfg.rollout.vllm_url, info["model"],
+                    facts.get("vllm_version"), facts.get("dtype"), facts.get("vocab_size"),
+                    info["weight_version"],
+                    "guarded by the API key" if info["dev_routes_guarded"] else "OPEN")
+        return {"model": info["model"], "weight_version": info["weight_version"]}
+
+    def _push(self, version: str) -> None:
+        """Collective: gather the live weights on rank 0 and push them to vLLM as `version`."""
+        from megatron_pdm.convert.live import gather_hf_state_dict
+
+        state = gather_hf_state_dict(self._module(), self.arch, dst=0, dtype=self.push_dtype,
+                                     expert_layout="per_expert", device="cpu")
+
+        def push():
+            self.client.update_weights(state, str(version))
+            info = self.client.last_push_info
+            return {"bytes": info.get("bytes"), "push_s": info.get("push_s"),
+                    "digest": info.get("digest"), "repushes": self.client.num_repushes}
+
+        self.last_push = self._on_rank0(push)
+        state.clear()
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        if self.client is not None:  # rank 0: the request-seed counter (exact resume)
+            state["client"] = self.client.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        if self.client is not None and state.get("client") is not None:
+            self.client.load_state_dict(state["client"])

@@ -1,0 +1,43 @@
+"""Config rules of the server engines: engine=vllm needs its URL, overlap needs a server engine,
+and the vLLM launcher refuses shapes and addresses it cannot serve safely."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from megatron_pdm.arch import Qwen3MoeArch
+from megatron_pdm.configtree import ConfigError
+from megatron_pdm.train.config import RunConfig
+
+
+def test_vllm_needs_url_and_overlap_needs_a_server():
+    with pytest.raises(ConfigError, match="rollout.vllm_url"):
+        RunConfig.load(None, ["rollout.engine=vllm"])
+    cfg = RunConfig.load(None, ["rollout.engine=vllm", "rollout.vllm_url=http://127.0.0.1:1",
+                                "rollout.overlap=true"])
+    assert cfg.rollout.overlap and cfg.rollout.vllm_api_key_env == "PDM_VLLM_API_KEY"
+    with pytest.raises(ConfigError, match="overlap=true needs a server engine"):
+        RunConfig.load(None, ["rollout.overlap=true"])
+    with pytest.raises(ConfigError, match="vllm_restart_wait_s"):
+        RunConfig.load(None, ["rollout.engine=vllm", "rollout.vllm_url=http://x:1",
+                              "rollout.vllm_restart_wait_s=-1"])
+
+
+def test_launcher_refusals():
+    from megatron_pdm.train.vllm_server import check_bind_host, check_servable
+
+    arch = Qwen3MoeArch(vocab_size=18, hidden_size=64, num_layers=1, num_attention_heads=4,
+                        num_query_groups=2, head_dim=32, num_experts=4, moe_router_topk=2,
+                        moe_ffn_hidden_size=64)
+    check_servable(arch)
+    with pytest.raises(ConfigError, match="head_dim"):
+        check_servable(dataclasses.replace(arch, head_dim=16))
+    with pytest.raises(ConfigError, match="multiple of 32"):
+        check_servable(dataclasses.replace(arch, moe_ffn_hidden_size=48))
+    check_bind_host("127.0.0.1")
+    check_bind_host("10.1.2.3")
+    for bad in ("0.0.0.0", "8.8.8.8", "example.org"):
+        with pytest.raises(ValueError):
+            check_bind_host(bad)
