@@ -23,11 +23,21 @@ micro-batches and data-parallel ranks, so the pair must be chosen per aggregatio
 
 Sequences are counted per call via `seq_ids` (sort-based, no host sync); a sequence split across
 micro-batches is counted once per micro-batch (pack whole sequences per micro-batch for the
-sequence aggregations).
+sequence aggregations). seq_ids = -1 marks padding: with a sequence aggregation such rows carry
+no loss (a loss row with seq_id -1 is an input error when checked).
 
-Input checks (`check_inputs=True`, the default) cost host syncs; a caller whose batch was checked
-where it entered the system (the Megatron adapter with a validated `PackedBatch`) turns them off
-and the function then runs without any device -> host synchronisation.
+Input checks (`check_inputs=True`, the default) cost one host sync (more only to name the row of
+an error): on loss rows, A and log mu_k finite, a support where the proximity needs one, a
+non-negative seq_id under a sequence aggregation, and no -inf training logit on the sampled
+token or on a valid support slot (docs/math.md §6.10: log pi_k = -inf makes the surrogate
+undefined; pi_i = 0 on a slot with mu_i > 0 makes D_K = +inf, no number a threshold can use).
+A caller whose batch was checked where it entered the system (the Megatron adapter with a
+validated `PackedBatch`) turns them off and the function then runs without any device -> host
+synchronisation. Unchecked, those inputs give: -inf log pi_k with A = 0 adds exactly 0; with
+A != 0 an infinite loss_sum and a finite gradient (megatron reports the loss); a -inf support
+slot counts as out of region (D_K = +inf), masked when moving away.
+
+Thresholds are built in the statistics' dtype (a float64 run compares with the float64 delta).
 
 Metrics (all tensor([sum, count]), detached; keys in metrics.py): pdm/masked_frac,
 pdm/masked_frac_pos_adv, pdm/masked_frac_neg_adv, pdm/out_of_region_frac,
@@ -113,19 +123,43 @@ def _check_shapes(n: int, **tensors: torch.Tensor | None) -> None:
 
 
 def _check_values(stats: TokenStats, advantages: torch.Tensor, behavior_logprob: torch.Tensor,
-                  lm_N: torch.Tensor, cfg: PolicyLossConfig) -> None:
-    """Loss rows must have a support (top-K proximities) and finite A and log mu_k."""
+                  lm_N: torch.Tensor, cfg: PolicyLossConfig, seq_ids: torch.Tensor | None
+                  ) -> None:
+    """The value checks of the module docstring on loss rows; one host sync when all pass."""
     if not lm_N.numel():
         return
-    if cfg.proximity in _NEEDS_SUPPORT and bool((lm_N & ~stats.has_support).any()):
-        row = int((lm_N & ~stats.has_support).nonzero()[0, 0])
-        raise ValueError(f"loss_mask row {row} has no valid support but {cfg.proximity} needs it")
     inputs_2N = torch.stack([advantages.to(torch.float64), behavior_logprob.to(torch.float64)])
-    bad_2N = lm_N & ~torch.isfinite(inputs_2N)
-    if bool(bad_2N.any()):  # one host sync for both checks
-        which, row = (int(i) for i in bad_2N.nonzero()[0])
+    no_seq_N = (lm_N & (seq_ids < 0) if seq_ids is not None and cfg.aggregation != "token-mean"
+                else torch.zeros_like(lm_N))
+    no_support_N = lm_N & ~stats.has_support
+    if cfg.proximity not in _NEEDS_SUPPORT:
+        no_support_N = torch.zeros_like(lm_N)
+    dead_k_N = lm_N & (stats.logprob.detach() == -torch.inf)
+    dead_slot_NS = lm_N[:, None] & stats.support_valid & ~stats.is_sampled & (
+        stats.support_logprobs == -torch.inf)
+    flags_PN = torch.stack([lm_N & ~torch.isfinite(inputs_2N[0]),
+                            lm_N & ~torch.isfinite(inputs_2N[1]), no_seq_N, no_support_N,
+                            dead_k_N, dead_slot_NS.any(-1)])
+    if not bool(flags_PN.any()):  # the one host sync of the checks
+        return
+    which, row = (int(i) for i in flags_PN.nonzero()[0])
+    if which < 2:
         name = ("advantages", "behavior_logprob")[which]
         raise ValueError(f"{name}: row {row} is {float(inputs_2N[which, row])} on a loss row")
+    if which == 2:
+        raise ValueError(f"seq_ids: row {row} is {int(seq_ids[row])} (padding) on a loss row; "
+                         f"aggregation {cfg.aggregation!r} needs its sequence id")
+    if which == 3:
+        raise ValueError(f"loss_mask row {row} has no valid support but {cfg.proximity} needs it")
+    if which == 4:
+        raise ValueError(f"logits: row {row}: the sampled token's training logit is -inf "
+                         "(log pi_k = -inf) on a loss row: the training policy cannot emit the "
+                         "token the rollout sampled (docs/math.md §6.10)")
+    slot = int(dead_slot_NS[row].nonzero()[0, 0])
+    sid = "?" if stats.support_ids is None else int(stats.support_ids[row, slot])
+    raise ValueError(f"logits: row {row}, slot {slot}: the training logit of support id {sid} "
+                     "is -inf (pi = 0) where mu > 0: D_K = +inf on a loss row "
+                     "(docs/math.md §6.10)")
 
 
 def _proximity(cfg: PolicyLossConfig, stats: TokenStats, ratio_N: torch.Tensor,
@@ -148,11 +182,13 @@ def _predictive_away(cfg: PolicyLossConfig, stats: TokenStats, adv_N: torch.Tens
                      logmu_k_N: torch.Tensor, topk_ddot_N: torch.Tensor) -> torch.Tensor:
     """A * Ddot of the configured divergence (the §3.6 one-sided rule for top-K TV)."""
     pi_k_N, mu_k_N = stats.pi_k, logmu_k_N.exp()
+    # the exact complements 1 - pi_k and sum_{j != k} pi_j^2 (no cancellation near pi_k = 1)
     if cfg.proximity == "binary_kl":
-        return adv_N * _direction.binary_kl_rate(pi_k_N, mu_k_N, stats.log1m_pi_k.exp(),
-                                                 stats.p2)
+        return adv_N * _direction.binary_kl_rate(pi_k_N, mu_k_N, stats.one_minus_pi_k,
+                                                 stats.p2_not_k)
     if cfg.proximity == "binary_tv":
-        return adv_N * _direction.binary_tv_rate(pi_k_N, mu_k_N, stats.p2)
+        return adv_N * _direction.binary_tv_rate(pi_k_N, mu_k_N, stats.one_minus_pi_k,
+                                                 stats.p2_not_k)
     if cfg.divergence_kind == "tv":
         # §3.6 one-sided rule: ties move away from equality whatever the sign of A.
         return torch.sign(adv_N) * topk_ddot_N + stats.tv_tie_rate(cfg.tail) * (adv_N != 0)
@@ -189,7 +225,7 @@ def _token_terms(stats: TokenStats, advantages: torch.Tensor, behavior_logprob: 
             cross_N = (stats.behavior_support_probs * stats.support_probs).sum(-1)
             bound_N = (upper_N - lower_N) + cfg.noise_floor * cross_N
             away_N = torch.where((topk_ddot_N - local_N).abs() > bound_N, away_N, ratio_away_N)
-    delta_N = _masks.threshold(adv_N, cfg.delta_low, cfg.delta_high).to(dtype)
+    delta_N = _masks.threshold(adv_N, cfg.delta_low, cfg.delta_high, dtype=dtype)
     if cfg.shaping == "mask":
         keep_N = _masks.keep_mask(div_N, away_N, delta_N) | (adv_N == 0) | ~lm_N
         weight_N = keep_N.to(dtype)
@@ -265,16 +301,18 @@ def policy_loss(
         loss_mask: [N] bool (or 0/1), rows that carry a loss.
         cfg: the method.
         seq_ids: [N] int sample index (-1 = padding); required by the sequence aggregations.
-        check_inputs: check the values (host syncs); off for batches checked at the boundary.
+        check_inputs: check the values (one host sync, see the module docstring); off for
+            batches checked at the boundary: then no host synchronisation at all.
 
     Returns:
         PolicyLossOutput: (loss_sum scalar, num_tokens int scalar, metrics), plus .mask, .coeff,
         .per_token_loss, .divergence, .away_score, .ratio. See the module docstring.
 
     Raises:
-        ValueError: shape mismatches, missing seq_ids, and (with check_inputs) non-finite
-            advantages or behavior logprobs on loss rows, or loss rows without a support when
-            the config needs one (row named).
+        ValueError: shape mismatches, missing seq_ids, and (with check_inputs) on loss rows:
+            non-finite advantages or behavior logprobs, no support where the config needs one,
+            seq_id -1 under a sequence aggregation, a -inf training logit on the sampled token
+            or a valid support slot (row and slot named).
     """
     n = stats.logprob.shape[0]
     _check_shapes(n, advantages=advantages, behavior_logprob=behavior_logprob,
@@ -283,16 +321,20 @@ def policy_loss(
         raise ValueError(f"aggregation {cfg.aggregation!r} needs seq_ids")
     lm_N = loss_mask.to(torch.bool)
     if check_inputs:
-        _check_values(stats, advantages, behavior_logprob, lm_N, cfg)
+        _check_values(stats, advantages, behavior_logprob, lm_N, cfg, seq_ids)
+    if cfg.aggregation != "token-mean":
+        lm_N = lm_N & (seq_ids >= 0)  # padding rows carry no loss (checked above when on)
     with torch.no_grad():
         t = _token_terms(stats, advantages, behavior_logprob, lm_N, cfg)
 
-    per_token_loss_N = torch.where(lm_N, -t.coeff.to(stats.logprob.dtype) * stats.logprob, 0.0)
+    # coeff = 0 rows add exactly 0 (also where log pi_k = -inf: no 0 * -inf = NaN)
+    live_N = lm_N & (t.coeff != 0)
+    per_token_loss_N = torch.where(live_N, -t.coeff.to(stats.logprob.dtype) * stats.logprob, 0.0)
     loss_sum = per_token_loss_N.sum()
     if cfg.aggregation == "token-mean":
         num = lm_N.sum()
     else:
-        num = _num_sequences(seq_ids, lm_N & (seq_ids >= 0))
+        num = _num_sequences(seq_ids, lm_N)
         if cfg.aggregation == "seq-mean-token-sum-norm":
             loss_sum = loss_sum / float(cfg.loss_horizon)
     with torch.no_grad():

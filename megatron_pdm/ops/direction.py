@@ -24,6 +24,12 @@ get the one-sided rule of §3.6: moving away from equality always increases TV, 
 
 Binary (§3.5): the same formulas with S = {k}; their sign equals sign(r - 1) (tested).
 
+Cancellation (§6, issue 9): with pi_k -> 1 the textbook forms subtract nearly equal numbers:
+1 - 2 pi_k + P2, P2 - pi_k^2 and pi_k - P2 lose every digit in fp32 once 1 - pi_k < ~3e-4. The
+op provides the exact complements 1 - pi_k (= e^{log Z_-k - log Z}) and Q = sum_{j != k} pi_j^2
+(`p2_not_k`), and every formula here is written with them:
+    1 - 2 pi_k + P2 = (1 - pi_k)^2 + Q        c = pi_k - P2 = pi_k (1 - pi_k) - Q
+
 §7.2 certified interval for the *full* KL direction: with L = local + retained - Q_T the true
 Ddot lies in [L, L + min(pi_T mu_max_T, mu_T pi_max_T)]; if the interval straddles 0 the sign is
 uncertain. mu_max_T is bounded by the smallest behavior probability in the engine's top-K.
@@ -37,11 +43,11 @@ import torch
 
 __all__ = [
     "TAIL_ESTIMATORS",
-    "kl_rate",
-    "tv_rate_terms",
     "binary_kl_rate",
     "binary_tv_rate",
     "kl_certified_interval",
+    "kl_rate",
+    "tv_rate_terms",
 ]
 
 TAIL_ESTIMATORS = ("aggregated", "uniform", "exact")
@@ -101,8 +107,17 @@ def tv_rate_terms(
     q_tail_N: torch.Tensor,
     n_tail_N: torch.Tensor,
     tail: str,
+    *,
+    one_m_pi_k_N: torch.Tensor | None = None,
+    p2_not_k_N: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Ddot for the Top-K TV away from ties, and the tie part (§3.6).
+
+    Args:
+        one_m_pi_k_N: exact 1 - pi_k (default: computed as 1 - pi_k).
+        p2_not_k_N: exact sum_{j != k} pi_j^2 for "exact" (default: the support part without
+            k plus Q_T).
+        Others: as `kl_rate`; is_k_NS marks the slot of the sampled token.
 
     Returns:
         (ddot_N, tie_N): ddot_N = 0.5 [sum_{non-tie} s_i rho_i + s_T rho_T];
@@ -110,15 +125,22 @@ def tv_rate_terms(
         sign(A) v is proportional to sign(A) * ddot_N + tie_N.
     """
     _check_tail(tail)
-    sq_support_N = (pi_NS * pi_NS).sum(-1)
+    one_m_N = 1.0 - pi_k_N if one_m_pi_k_N is None else one_m_pi_k_N
+    # sum_{i in S, i != k} pi_i^2: the support part of P2 without the sampled token
+    sq_others_N = torch.where(is_k_NS, 0.0, pi_NS * pi_NS).sum(-1)
     if tail == "exact":
         q_N = q_tail_N
-    elif tail == "aggregated":
-        q_N = pi_tail_N * pi_tail_N
+        q_not_k_N = sq_others_N + q_N if p2_not_k_N is None else p2_not_k_N
     else:
-        q_N = pi_tail_N * pi_tail_N / n_tail_N.clamp_min(1.0)
-    c_N = pi_k_N - (sq_support_N + q_N)
-    rho_NS = pi_NS * (is_k_NS.to(pi_NS.dtype) - pi_NS - c_N[:, None])
+        if tail == "aggregated":
+            q_N = pi_tail_N * pi_tail_N
+        else:
+            q_N = pi_tail_N * pi_tail_N / n_tail_N.clamp_min(1.0)
+        q_not_k_N = sq_others_N + q_N
+    # c = pi_k - P2 = pi_k (1 - pi_k) - sum_{j != k} pi_j^2, without the pi_k - P2 cancellation
+    c_N = pi_k_N * one_m_N - q_not_k_N
+    # rho_k = pi_k ((1 - pi_k) - c), rho_i = pi_i (-pi_i - c) for i != k
+    rho_NS = pi_NS * (torch.where(is_k_NS, one_m_N[:, None], -pi_NS) - c_N[:, None])
     rho_t_N = -q_N - pi_tail_N * c_N
     s_NS = torch.where(valid_NS, torch.sign(pi_NS - mu_NS), 0.0)
     s_t_N = torch.sign(pi_tail_N - mu_tail_N)
@@ -132,21 +154,30 @@ def tv_rate_terms(
 
 
 def binary_kl_rate(
-    pi_k_N: torch.Tensor, mu_k_N: torch.Tensor, one_m_pi_k_N: torch.Tensor, p2_N: torch.Tensor
+    pi_k_N: torch.Tensor, mu_k_N: torch.Tensor, one_m_pi_k_N: torch.Tensor,
+    p2_not_k_N: torch.Tensor,
 ) -> torch.Tensor:
-    """Exact Ddot of the Binary KL: (pi_k - mu_k) [(1 - pi_k) + Q / (1 - pi_k)], Q = P2 - pi_k^2.
+    """Exact Ddot of the Binary KL: (pi_k - mu_k) [(1 - pi_k) + Q / (1 - pi_k)] (§3.5).
 
-    The bracket is positive for pi_k < 1, so sign(Ddot) == sign(r - 1) (§3.5).
+    Args:
+        one_m_pi_k_N: exact 1 - pi_k (TokenStats.one_minus_pi_k).
+        p2_not_k_N: Q = sum_{j != k} pi_j^2, exact (TokenStats.p2_not_k), not P2 - pi_k^2.
+
+    The bracket is positive for pi_k < 1, so sign(Ddot) == sign(r - 1).
     """
-    q_N = (p2_N - pi_k_N * pi_k_N).clamp_min(0.0)
     live = one_m_pi_k_N > 0
-    frac_N = torch.where(live, q_N / torch.where(live, one_m_pi_k_N, 1.0), 0.0)
+    frac_N = torch.where(live, p2_not_k_N / torch.where(live, one_m_pi_k_N, 1.0), 0.0)
     return (pi_k_N - mu_k_N) * (one_m_pi_k_N + frac_N)
 
 
-def binary_tv_rate(pi_k_N: torch.Tensor, mu_k_N: torch.Tensor, p2_N: torch.Tensor) -> torch.Tensor:
-    """Ddot of |pi_k - mu_k|: sign(pi_k - mu_k) * pi_k * ||e_k - pi||^2 (§3.5)."""
-    return torch.sign(pi_k_N - mu_k_N) * pi_k_N * (1.0 - 2.0 * pi_k_N + p2_N)
+def binary_tv_rate(
+    pi_k_N: torch.Tensor, mu_k_N: torch.Tensor, one_m_pi_k_N: torch.Tensor,
+    p2_not_k_N: torch.Tensor,
+) -> torch.Tensor:
+    """Ddot of |pi_k - mu_k|: sign(pi_k - mu_k) * pi_k * ||e_k - pi||^2 (§3.5), with
+    ||e_k - pi||^2 = (1 - pi_k)^2 + sum_{j != k} pi_j^2 from the exact complements (both terms
+    positive: no cancellation, unlike 1 - 2 pi_k + P2)."""
+    return torch.sign(pi_k_N - mu_k_N) * pi_k_N * (one_m_pi_k_N * one_m_pi_k_N + p2_not_k_N)
 
 
 def kl_certified_interval(

@@ -15,7 +15,10 @@ Numerical traps handled here (docs/math.md §6):
   * 0 * log 0 = 0: every mu log mu term is guarded with `where(mu > 0, ...)`.
   * log(1 - mu_k) uses log1mexp (no `+ 1e-8` bias near mu_k -> 1); log(1 - pi_k) is passed in
     exactly (log Z_{-k} - log Z, §7.3) by the caller.
-  * pi_T is clamped to the dtype's `tiny` before its log.
+  * pi_T = 0 exactly (no tail mass the policy can emit) is replaced by the dtype's `tiny`
+    before its log: mu_T is only known to ~1e-7, so a +inf from its rounding noise would mask
+    every such token (§6.1, §6.10). The same holds for the {not k} bucket of the binary KL when
+    pi_k = 1 exactly. Any other value, however small, is used exactly (in log space).
 
 All functions are pure, elementwise over tokens, and valid on any device and float dtype.
 
@@ -29,12 +32,12 @@ import math
 import torch
 
 __all__ = [
+    "binary_kl",
+    "binary_tv",
     "log1mexp",
     "tail_mass",
     "topk_kl",
     "topk_tv",
-    "binary_kl",
-    "binary_tv",
 ]
 
 
@@ -78,12 +81,19 @@ def _xlogy_ratio(p: torch.Tensor, logp: torch.Tensor, logq: torch.Tensor) -> tor
     return torch.where(live, p * (safe_logp - safe_logq), 0.0)
 
 
+def _log_bucket(log_p: torch.Tensor) -> torch.Tensor:
+    """log of a bucket mass for a KL term: exact, except log 0 -> log(tiny) (module docstring)."""
+    return torch.where(log_p == -torch.inf, math.log(torch.finfo(log_p.dtype).tiny), log_p)
+
+
 def topk_kl(
     logpi_NS: torch.Tensor,
     logmu_NS: torch.Tensor,
     valid_NS: torch.Tensor,
     pi_tail_N: torch.Tensor,
     mu_tail_N: torch.Tensor,
+    *,
+    log_pi_tail_N: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Top-K forward KL(mu || pi) over support buckets plus one tail bucket (§2.3).
 
@@ -95,15 +105,18 @@ def topk_kl(
         valid_NS: bool mask of live slots.
         pi_tail_N: training tail mass (exact masked sum preferred, §7.3).
         mu_tail_N: behavior tail mass (fp64-accumulated, clamped).
+        log_pi_tail_N: log pi_T when known in log space (the op's exact log Z_T - log Z, which
+            stays exact where pi_T itself underflows); default log(pi_tail_N).
 
     Returns:
-        [N] D_K (0 on rows without support and zero tail difference).
+        [N] D_K (0 on rows without support and zero tail difference). A valid slot with
+        pi_i = 0 (a -inf training logit) gives +inf, the exact value (§6.10).
     """
     mu_NS = torch.where(valid_NS, logmu_NS.exp(), 0.0)
     support_N = _xlogy_ratio(mu_NS, logmu_NS, logpi_NS).sum(-1)
     tiny = torch.finfo(pi_tail_N.dtype).tiny
     log_mu_t = torch.log(mu_tail_N.clamp_min(tiny))
-    log_pi_t = torch.log(pi_tail_N.clamp_min(tiny))
+    log_pi_t = _log_bucket(torch.log(pi_tail_N) if log_pi_tail_N is None else log_pi_tail_N)
     return support_N + _xlogy_ratio(mu_tail_N, log_mu_t, log_pi_t)
 
 
@@ -130,7 +143,8 @@ def binary_kl(
 
     Args:
         logpi_k_N: log pi_k.
-        log1m_pi_k_N: exact log(1 - pi_k) (log Z_{-k} - log Z from the op).
+        log1m_pi_k_N: exact log(1 - pi_k) (log Z_{-k} - log Z from the op); -inf (pi_k = 1
+            exactly) is replaced by log(tiny), like an empty tail bucket (module docstring).
         logmu_k_N: log mu_k; log(1 - mu_k) is computed with log1mexp.
 
     Returns:
@@ -139,7 +153,7 @@ def binary_kl(
     mu_k = logmu_k_N.exp()
     log1m_mu_k = log1mexp(logmu_k_N)
     return _xlogy_ratio(mu_k, logmu_k_N, logpi_k_N) + _xlogy_ratio(
-        -torch.expm1(logmu_k_N.clamp_max(0.0)), log1m_mu_k, log1m_pi_k_N
+        -torch.expm1(logmu_k_N.clamp_max(0.0)), log1m_mu_k, _log_bucket(log1m_pi_k_N)
     )
 
 

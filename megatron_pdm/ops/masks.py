@@ -22,11 +22,18 @@ import torch
 __all__ = ["threshold", "keep_mask", "drpo_weight"]
 
 
-def threshold(adv_N: torch.Tensor, delta_low: float, delta_high: float) -> torch.Tensor:
-    """delta(sign A): delta_high where A > 0, delta_low where A < 0 (and A == 0)."""
-    return torch.where(adv_N > 0, delta_high, delta_low).to(
-        adv_N.dtype if adv_N.is_floating_point() else torch.float32
-    )
+def threshold(adv_N: torch.Tensor, delta_low: float, delta_high: float,
+              dtype: torch.dtype | None = None) -> torch.Tensor:
+    """delta(sign A): delta_high where A > 0, delta_low where A < 0 (and A == 0).
+
+    Built directly in `dtype` (default: the advantages' float dtype, else float32) from the
+    Python floats, so a float64 statistic is compared with the float64 delta (0.15, not the
+    float32 0.15000000596); no host transfer (the scalars are kernel arguments).
+    """
+    if dtype is None:
+        dtype = adv_N.dtype if adv_N.is_floating_point() else torch.float32
+    out_N = torch.full(adv_N.shape, float(delta_low), dtype=dtype, device=adv_N.device)
+    return out_N.masked_fill_(adv_N > 0, float(delta_high))
 
 
 def keep_mask(

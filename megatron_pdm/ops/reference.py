@@ -48,8 +48,8 @@ def reference_token_stats(
 
     Returns:
         dict of fp64 tensors: logprob, support_logprobs, pi_k, mu_k, log1m_pi_k, pi_tail, mu_tail,
-        q_tail, p2, pi_max_tail, topk_kl, topk_tv, binary_kl, binary_tv, full_kl, full_tv (only
-        meaningful when mu is known on the full support), kl_rate_{aggregated,uniform,exact},
+        q_tail, p2, p2_not_k, pi_max_tail, topk_kl, topk_tv, binary_kl, binary_tv, full_kl,
+        full_tv (only meaningful when mu is known on the full support), kl_rate_{aggregated,uniform,exact},
         tv_rate_{aggregated,uniform,exact}, interval_lower, interval_upper.
     """
     v = logits_NV.shape[-1] if vocab_size is None else vocab_size
@@ -83,6 +83,7 @@ def reference_token_stats(
     mu_tail = (1.0 - mu_NS.sum(-1)).clamp(0.0, 1.0)
     q_tail = (pi_NV**2 * tail_NV).sum(-1)
     p2 = (pi_NV**2).sum(-1)
+    p2_not_k = (pi_NV**2 * (1.0 - onehot_NV)).sum(-1)
     pi_max_tail = torch.where(tail_NV, pi_NV, 0.0).amax(-1)
     log1m_pi_k = torch.log((pi_NV * (1.0 - onehot_NV)).sum(-1))
 
@@ -147,6 +148,7 @@ def reference_token_stats(
         mu_tail=mu_tail,
         q_tail=q_tail,
         p2=p2,
+        p2_not_k=p2_not_k,
         pi_max_tail=pi_max_tail,
         topk_kl=topk_kl,
         topk_tv=topk_tv,

@@ -16,8 +16,8 @@ from megatron_pdm.ops.reference import reference_logprob, reference_token_stats
 from tests._cases import make_case, op_args
 from tests._dist import run_gloo
 
-FIELDS = ("pi_k", "mu_k", "pi_tail", "mu_tail", "q_tail", "p2", "pi_max_tail", "topk_kl",
-          "topk_tv", "binary_kl", "binary_tv", "log1m_pi_k")
+FIELDS = ("pi_k", "mu_k", "pi_tail", "mu_tail", "q_tail", "p2", "p2_not_k", "pi_max_tail",
+          "topk_kl", "topk_tv", "binary_kl", "binary_tv", "log1m_pi_k")
 
 
 def _check_case(rank, world, case, atol, inplace=False):

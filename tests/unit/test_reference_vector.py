@@ -9,8 +9,15 @@ import torch
 
 import megatron_pdm as pdm
 from megatron_pdm.ops.reference import reference_token_stats
+from megatron_pdm.ops.stats import exp_shift, is_sampled_slot, log_sums
 from megatron_pdm.parallel.shards import shard_info
-from megatron_pdm.parallel.vocab_parallel import shard_max_partials, shard_sum_partials
+from megatron_pdm.parallel.vocab_parallel import (
+    mask_columns,
+    masked_columns,
+    pack_sums,
+    shard_tail_max,
+    shard_tail_sums,
+)
 
 Z_PI = torch.tensor([[2.0, 1.5, 0.3, -0.5, 1.0, 0.2, -1.0, -2.0]], dtype=torch.float64)
 Z_MU = torch.tensor([[2.2, 1.2, 0.4, -0.4, 0.9, 0.0, -1.2, -1.5]], dtype=torch.float64)
@@ -69,17 +76,21 @@ def test_section_8_3_tp2_simulation():
     logmu = torch.log_softmax(Z_MU, -1)
     valid = torch.ones(1, 4, dtype=torch.bool)
     shards = [shard_info(r, 2, 4, 8) for r in range(2)]
-    parts = [Z_PI[:, r * 4:(r + 1) * 4] for r in range(2)]
-    mx = torch.maximum(*[shard_max_partials(p, IDS, valid, s, 1.0) for p, s in zip(parts, shards)])
-    sums = sum(
-        shard_sum_partials(p, K, IDS, valid, mx[:, 0], s, 1.0) for p, s in zip(parts, shards)
-    )
-    log_z = sums[:, 5].log()
-    logpi_s = sums[:, :4] - mx[:, :1] - log_z[:, None]
+    parts = [Z_PI[:, r * 4:(r + 1) * 4].clone() for r in range(2)]
+    cols = [masked_columns(p, K, IDS, valid, s) for p, s in zip(parts, shards)]
+    for p, c in zip(parts, cols):
+        mask_columns(p, c)
+    tail_max = torch.maximum(*[shard_tail_max(p, 1.0, torch.float64) for p in parts])
+    sums = sum(pack_sums(c, shard_tail_sums(p, exp_shift(tail_max), 1.0), 1.0)
+               for p, c in zip(parts, cols))
+    is_k = is_sampled_slot(IDS, valid, K)
+    ls = log_sums(tail_max, sums[:, :4], sums[:, 4], sums[:, 5], sums[:, 6], valid, is_k)
+    logpi_s = ls.support_rel - ls.log_z[:, None]
     expected = torch.tensor([-0.9052622285, -1.4052622285, -1.9052622285, -2.7052622285])
     # Spec lists log pi_S in ascending z order: ids 0, 1, 4, 5 have z 2.0, 1.5, 1.0, 0.2.
     assert torch.allclose(logpi_s[0], expected.double(), atol=1e-9)
-    assert abs((sums[0, 6] / sums[0, 5] ** 2).item() - 0.2573688585) < 1e-9
+    p2 = torch.exp(ls.log_s2_not_k - 2 * ls.log_z) + torch.exp(2 * (ls.sampled_rel - ls.log_z))
+    assert abs(p2.item() - 0.2573688585) < 1e-9
     ref = reference_token_stats(Z_PI, K, IDS, logmu.gather(1, IDS), valid)
     assert torch.allclose(logpi_s, ref["support_logprobs"], atol=1e-12)
 

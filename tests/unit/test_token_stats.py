@@ -14,17 +14,21 @@ from hypothesis import strategies as st
 
 import megatron_pdm as pdm
 from megatron_pdm.ops.reference import reference_logprob, reference_token_stats
-from megatron_pdm.ops.stats import assemble_token_stats
+from megatron_pdm.ops.stats import assemble_token_stats, exp_shift, is_sampled_slot, log_sums
 from megatron_pdm.parallel.shards import shard_info
 from megatron_pdm.parallel.vocab_parallel import (
+    mask_columns,
+    masked_columns,
+    pack_sums,
+    restore_columns,
     shard_logprob_grad,
-    shard_max_partials,
-    shard_sum_partials,
+    shard_tail_max,
+    shard_tail_sums,
 )
 from tests._cases import make_case, op_args
 
-FIELDS = ("pi_k", "mu_k", "pi_tail", "mu_tail", "q_tail", "p2", "pi_max_tail", "topk_kl",
-          "topk_tv", "binary_kl", "binary_tv", "log1m_pi_k")
+FIELDS = ("pi_k", "mu_k", "pi_tail", "mu_tail", "q_tail", "p2", "p2_not_k", "pi_max_tail",
+          "topk_kl", "topk_tv", "binary_kl", "binary_tv", "log1m_pi_k")
 
 
 def _compare(stats, ref, atol):
@@ -111,34 +115,52 @@ def test_rows_without_support_and_small_chunks():
         assert torch.allclose(stats.logprob, ref, atol=1e-12)
 
 
-def _simulated(case, tp, temperature=1.0, chunk=1 << 24):
-    """Run the op's per-shard math for every rank and reduce by hand (MAX, then SUM)."""
+def _simulated(case, tp, temperature=1.0, chunk=1 << 24, inplace=False):
+    """Run the op's per-shard math for every rank and reduce by hand (MAX, then SUM), exactly
+    what the two all-reduces do; the shards' logits are restored bit-exactly afterwards, or, with
+    `inplace` (fp32/fp64), hold exp(z/T - t) for the in-storage backward."""
     logits = case["logits"]
     vp = logits.shape[1]
     vl = -(-vp // tp)
     if vl * tp != vp:  # pad like Megatron
         logits = torch.cat([logits, torch.zeros(logits.shape[0], vl * tp - vp,
                                                 dtype=logits.dtype)], 1)
-    args = op_args(case)
+    sampled, ids, lp, valid = op_args(case)
+    work = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    inplace = inplace and logits.dtype == work
     shards = [shard_info(r, tp, vl, case["vocab_size"]) for r in range(tp)]
-    parts = [logits[:, r * vl:(r + 1) * vl] for r in range(tp)]
-    mx = torch.stack([shard_max_partials(p, args[1], args[3], s, temperature, chunk)
-                      for p, s in zip(parts, shards)]).amax(0)
-    sums = sum(shard_sum_partials(p, args[0], args[1], args[3], mx[:, 0], s, temperature, chunk)
-               for p, s in zip(parts, shards))
-    s = args[1].shape[1]
-    log_z = sums[:, s + 1].log()
-    logprob = sums[:, s] - mx[:, 0] - log_z
+    parts = [logits[:, r * vl:(r + 1) * vl].clone() for r in range(tp)]
+    originals = [p.clone() for p in parts]
+    cols = [masked_columns(p, sampled, ids, valid, sh) for p, sh in zip(parts, shards)]
+    reals = [p[:, : sh.n_real] for p, sh in zip(parts, shards)]
+    for real, c in zip(reals, cols):
+        mask_columns(real, c)
+    tail_max = torch.stack([shard_tail_max(real, temperature, work) for real in reals]).amax(0)
+    shift = exp_shift(tail_max)
+    sums = sum(pack_sums(c, shard_tail_sums(real, shift, temperature, chunk, inplace),
+                         temperature) for real, c in zip(reals, cols))
+    if not inplace:
+        for real, c in zip(reals, cols):
+            restore_columns(real, c)
+        for p, o in zip(parts, originals):
+            assert torch.equal(p, o)  # bit-exact restore
+    s = ids.shape[1]
+    is_k = is_sampled_slot(ids, valid, sampled)
+    ls = log_sums(tail_max, sums[:, :s], sums[:, s], sums[:, s + 1], sums[:, s + 2], valid, is_k)
+    logprob = ls.sampled_rel - ls.log_z
     stats = assemble_token_stats(
-        logprob, mx[:, 0], mx[:, 1], sums[:, :s], sums[:, s + 1], sums[:, s + 2], sums[:, s + 3],
-        sums[:, s + 4], sums[:, s + 5], args[2], args[3], args[1], args[0], case["vocab_size"])
-    g = torch.ones(logits.shape[0], dtype=mx.dtype)
-    grad = torch.cat([shard_logprob_grad(p, args[0], g, mx[:, 0], log_z, sh, temperature, chunk)
-                      for p, sh in zip(parts, shards)], 1)
+        logprob, tail_max, sums[:, :s], sums[:, s], sums[:, s + 1], sums[:, s + 2], lp, valid,
+        ids, sampled, case["vocab_size"])
+    g = torch.ones(logits.shape[0], dtype=work)
+    grad = torch.cat([
+        shard_logprob_grad(p, c.idx_NM, c.owned_NM, is_k, g, ls.ref, ls.tail_rel, ls.log_z,
+                           ls.log_z_not_k, ls.support_rel, sh, temperature, chunk,
+                           in_storage=inplace)
+        for p, c, sh in zip(parts, cols, shards)], 1)
     return stats, grad[:, :vp]
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(
     n=st.integers(0, 12),
     vocab=st.integers(8, 90),
@@ -149,13 +171,15 @@ def _simulated(case, tp, temperature=1.0, chunk=1 << 24):
     hot=st.booleans(),
     temperature=st.sampled_from([1.0, 0.6]),
     chunk=st.sampled_from([5, 1 << 24]),
+    inplace=st.booleans(),
     seed=st.integers(0, 10_000),
 )
-def test_property_simulated_shards(n, vocab, pad, k, tp, dtype, hot, temperature, chunk, seed):
+def test_property_simulated_shards(n, vocab, pad, k, tp, dtype, hot, temperature, chunk, inplace,
+                                   seed):
     k = min(k, vocab - 1)
     case = make_case(seed, n, vocab, k, padded_vocab=vocab + pad, dtype=dtype,
                      hot_range=(0, max(k, vocab // 4)) if hot else None)
-    stats, grad = _simulated(case, tp, temperature, chunk)
+    stats, grad = _simulated(case, tp, temperature, chunk, inplace)
     atol = 1e-10 if dtype == torch.float64 else 3e-6
     _compare(stats, _ref(case, temperature=temperature), atol)
     ref_logits = case["logits"].double().requires_grad_()
