@@ -92,7 +92,10 @@ def _run_sync(coro) -> Any:
     """Runs a coroutine to completion, also when called from inside a running event loop."""
     try:
         asyncio.get_running_loop()
+        in_loop = True
     except RuntimeError:
+        in_loop = False
+    if not in_loop:  # (outside the except block: no chained "no running event loop" context)
         return asyncio.run(coro)
     box: dict[str, Any] = {}
 
