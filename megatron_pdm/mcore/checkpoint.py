@@ -10,6 +10,12 @@ TP/EP layout loads at another (used by the TP=1 vs TP=2 loss test).
 
 DistributedOptimizer without apex/TE needs the §5.3 workarounds of docs/cpu-megatron.md; they are
 applied here (see megatron_pdm.mcore.optimizer) and verified bit-exact by the resume test.
+
+An optimizer that has not stepped yet (a run without warm-up saves at iteration 0) has no Adam
+state, and megatron's DistributedOptimizer cannot describe one without apex/TE
+(`distrib_optimizer.state_dict`: `assert len(steps) == 1` over an empty state). Such a checkpoint
+holds the model only (`optimizer_saved: false` in its common state) and loading it leaves the
+optimizer fresh, which is exactly the state it was saved in.
 """
 
 from __future__ import annotations
@@ -61,11 +67,11 @@ def save_checkpoint(save_dir: str, iteration: int, ddp_model, optimizer, train_s
     dist.barrier()
     model_sd = _model_sd(ddp_model)
     metadata = mopt.DIST_OPT_METADATA if mopt.uses_distributed_optimizer(optimizer) else None
-    state = {
-        "model": model_sd,
-        "optimizer": optimizer.sharded_state_dict(model_sd, is_loading=False, metadata=metadata),
-        "train_state": train_state,
-    }
+    with_optimizer = has_optimizer_state(optimizer)
+    state = {"model": model_sd, "train_state": train_state, "optimizer_saved": with_optimizer}
+    if with_optimizer:
+        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=False,
+                                                          metadata=metadata)
     dist_checkpointing.save(state, path)
     dist.barrier()
     if dist.get_rank() == 0:
@@ -79,6 +85,11 @@ def save_checkpoint(save_dir: str, iteration: int, ddp_model, optimizer, train_s
     dist.barrier()
     logger.info("saved checkpoint %s", path)
     return path
+
+
+def has_optimizer_state(optimizer) -> bool:
+    """False until the first optimizer step (Adam has no state yet)."""
+    return any(len(sub.optimizer.state) > 0 for sub in mopt.sub_optimizers(optimizer))
 
 
 def load_model(path: str, ddp_model_or_module) -> None:
@@ -106,6 +117,15 @@ def load_checkpoint(path: str, ddp_model, optimizer) -> dict:
     """Restores model and optimizer in place; returns the saved `train_state`. Collective."""
     from megatron.core import dist_checkpointing
 
+    common = dist_checkpointing.load_common_state_dict(path)
+    if not common.get("optimizer_saved", True):
+        # Saved before the first optimizer step: the model only; the optimizer stays fresh.
+        load_model(path, ddp_model)
+        for sub in mopt.sub_optimizers(optimizer):
+            if hasattr(sub, "reload_model_params"):  # fp32 main copies of 16-bit params
+                sub.reload_model_params()
+        logger.info("loaded checkpoint %s (model only: saved before the first step)", path)
+        return common["train_state"]
     distributed_opt = mopt.uses_distributed_optimizer(optimizer)
     if distributed_opt:
         mopt.prime_for_loading(ddp_model, optimizer)  # §5.3 (1)
@@ -122,6 +142,5 @@ def load_checkpoint(path: str, ddp_model, optimizer) -> dict:
         optimizer.load_state_dict(loaded["optimizer"])
     if distributed_opt:
         mopt.fix_adam_step_after_load(optimizer, loaded["optimizer"])  # §5.3 (3)
-    common = dist_checkpointing.load_common_state_dict(path)
     logger.info("loaded checkpoint %s", path)
     return common["train_state"]

@@ -91,3 +91,26 @@ def test_resume_after_a_kill_reproduces_uninterrupted_run(tmp_path):
         sb = json.load(f)
     for key in ("greedy_acc_before_rl", "greedy_acc_after_rl", "rl_reward_final"):
         assert sa[key] == sb[key], key
+
+
+def test_no_warmup_with_checkpoints_saves_and_resumes_at_iteration_0(tmp_path):
+    """warmup.steps=0 with checkpoints on (the cluster example's combination): the iteration-0
+    checkpoint is written before the first optimizer step (megatron's DistributedOptimizer
+    cannot describe an empty Adam state without apex/TE: it asserted), and a run resumed from it
+    reproduces the uninterrupted run exactly."""
+    import shutil
+
+    common = ["warmup.steps=0", "checkpoint.save_interval=1", "checkpoint.keep_last=10",
+              "train.iterations=2", "loss.preset=pdm-agg"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    launch(str(full), common)
+    assert (full / "checkpoints" / "iter_0000000").is_dir()
+    (part / "checkpoints").mkdir(parents=True)
+    shutil.copytree(full / "checkpoints" / "iter_0000000", part / "checkpoints" / "iter_0000000")
+    (part / "checkpoints" / "latest").write_text("iter_0000000")
+    launch(str(part), common, extra=["--resume"])
+    a, b = _rows(str(full)), _rows(str(part))
+    assert len(a) == len(b) == 4
+    for ra, rb in zip(a, b):
+        assert ({k: v for k, v in ra.items() if not k.startswith("time/")}
+                == {k: v for k, v in rb.items() if not k.startswith("time/")}), ra["step"]
