@@ -17,7 +17,11 @@ both against the stored behaviour policy mu):
 Prediction scores against the unmasked reference step (every token's own update applied): for
 every criterion's direction, the share of active tokens whose sign(away) matches sign(dD_ref),
 overall, out of region, and on each predictive criterion's disagreement set, where exactly one
-of the two directions can be right (their signs differ).
+of the two directions can be right (their signs differ). When the table carries state hashes,
+also separately for tokens whose state (prompt + prefix) no other active token of the batch
+shares and for those that share it: tokens of one state share one softmax, so the step moves
+their D by the sum of their updates, and samples of a GRPO group with opposite advantages get
+one realised change for opposite predictions (the per-token lemma assumes independent states).
 
 `tol` (default 0) is a dead zone for "dD > 0": with tol > 0, changes within +-tol count as neither
 shrinking nor growing. All counts are ints, rates floats or None when the denominator is 0.
@@ -30,7 +34,7 @@ import torch
 from megatron_pdm.analysis.criteria import KEEP_ALL, Criterion
 from megatron_pdm.analysis.token_table import TokenTable
 
-__all__ = ["count_seed", "rate"]
+__all__ = ["count_seed", "rate", "shared_state"]
 
 
 def rate(num: int, den: int) -> float | None:
@@ -96,9 +100,22 @@ def _criterion_counts(c: Criterion, before: TokenTable, after: TokenTable,
     return out
 
 
+def shared_state(before: TokenTable) -> torch.Tensor | None:
+    """[n] bool: active tokens whose state (prompt + prefix) another active token shares, or
+    None when the table has no state columns."""
+    if "state_h1" not in before.columns:
+        return None
+    active = before["adv"] != 0
+    key = before["state_h1"].long() * (1 << 31) + before["state_h2"].long()
+    key = torch.where(active, key, -1 - torch.arange(len(key)))  # inactive rows never match
+    _, inverse, counts = torch.unique(key, return_inverse=True, return_counts=True)
+    return active & (counts[inverse] > 1)
+
+
 def _prediction_scores(criteria: list[Criterion], before: TokenTable, ref: TokenTable,
                        tol: float) -> dict:
     active = before["adv"] != 0
+    shared = shared_state(before)
     out = {}
     for c in criteria:
         d0 = before[c.divergence]
@@ -110,6 +127,11 @@ def _prediction_scores(criteria: list[Criterion], before: TokenTable, ref: Token
         entry = {"correct": ok, "decided": n, "accuracy": rate(ok, n),
                  "correct_out_of_region": ok_o, "decided_out_of_region": n_o,
                  "accuracy_out_of_region": rate(ok_o, n_o)}
+        if shared is not None:
+            for label, sel in (("unique_state", active & ~shared), ("shared_state", shared)):
+                ok_s, n_s = _sign_hits(away, delta_d, sel, tol)
+                entry.update({f"correct_{label}": ok_s, f"decided_{label}": n_s,
+                              f"accuracy_{label}": rate(ok_s, n_s)})
         if c.baseline is not None:
             base_away = before[f"away/{c.baseline}"]
             dis = active & ((away > 0) != (base_away > 0))
@@ -135,7 +157,8 @@ def count_seed(criteria: list[Criterion], before: TokenTable, after: dict[str, T
         tol: dead zone of dD (>= 0).
 
     Returns:
-        {"n_tokens", "n_active", "criteria": {name: {...}}, "prediction": {name: {...}} or {}}.
+        {"n_tokens", "n_active", "n_shared_state" (None without state columns),
+        "criteria": {name: {...}}, "prediction": {name: {...}} or {}}.
     """
     if tol < 0:
         raise ValueError(f"tol must be >= 0, got {tol}")
@@ -150,5 +173,7 @@ def count_seed(criteria: list[Criterion], before: TokenTable, after: dict[str, T
         per[c.name] = _criterion_counts(c, before, after[c.name], base_away, tol)
     pred = (_prediction_scores(criteria, before, after[KEEP_ALL], tol) if KEEP_ALL in after
             else {})
-    return {"n_tokens": len(before), "n_active": _n(before["adv"] != 0), "criteria": per,
+    shared = shared_state(before)
+    return {"n_tokens": len(before), "n_active": _n(before["adv"] != 0),
+            "n_shared_state": None if shared is None else _n(shared), "criteria": per,
             "prediction": pred}

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_pdm.analysis import snapshot as snap_mod
-from megatron_pdm.analysis.token_table import TokenTable, token_table
+from megatron_pdm.analysis.token_table import TokenTable, state_hashes, token_table
 from megatron_pdm.config import PolicyLossConfig
 from megatron_pdm.mcore import loss_adapter
 from megatron_pdm.parallel.vocab_parallel import token_stats
@@ -76,7 +76,8 @@ class MegatronProbe:
                             vocab_size=loss_adapter.batch_vocab_size(mb),
                             temperature=float(mb.temperature), validate=check)
         return token_table(stats, f["advantages"], f["behavior_logprob"], f["loss_mask"],
-                           self.criteria, seq_ids_N=f["seq_ids"])
+                           self.criteria, seq_ids_N=f["seq_ids"],
+                           states_N2=state_hashes(mb.tokens))
 
     def evaluate(self) -> TokenTable:
         from megatron.core import parallel_state as ps

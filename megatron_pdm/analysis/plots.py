@@ -164,6 +164,7 @@ def plot_global_term(tok: dict, path: str, title: str) -> str:
     ax.hist(g[oor].numpy(), bins=bins, color="tab:blue", alpha=0.8,
             label=f"out of region ({int(oor.sum())})")
     ax.set_yscale("log")
+    ax.set_ylim(bottom=0.5)  # a single token still shows as a bar
     ax.axvline(0.0, color="black", lw=0.8)
     ax.set_xlabel("global term Σ_j π_j (μ_j − π_j), exact tail (probability², per token)")
     ax.set_ylabel("tokens (log scale)")

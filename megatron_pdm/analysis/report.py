@@ -87,9 +87,10 @@ def _paired_table(summary: dict) -> list[str]:
 
 
 def _prediction_table(summary: dict) -> list[str]:
-    lines = [("| direction | sign accuracy, all active tokens | out of region | on its "
-              "disagreement set with ratio: this direction / ratio direction (tokens) |"),
-             "|---|---|---|---|"]
+    lines = [("| direction | sign accuracy, all active tokens | out of region | tokens with "
+              "a state of their own | tokens sharing their state | on its disagreement set "
+              "with ratio: this direction / ratio direction (tokens) |"),
+             "|---|---|---|---|---|---|"]
     for name, c in summary["criteria"].items():
         pr = c.get("prediction")
         if not pr:
@@ -99,8 +100,11 @@ def _prediction_table(summary: dict) -> list[str]:
             n = c["total_n_disagree"]
             dis = (f"{_pct(pr['disagree_accuracy']['pooled'])} / "
                    f"{_pct(pr['baseline_disagree_accuracy']['pooled'])} ({n})")
+        own = pr.get("accuracy_unique_state", {}).get("pooled")
+        shared = pr.get("accuracy_shared_state", {}).get("pooled")
         lines.append(f"| {name} | {_pct(pr['accuracy']['pooled'])} | "
-                     f"{_pct(pr['accuracy_out_of_region']['pooled'])} | {dis} |")
+                     f"{_pct(pr['accuracy_out_of_region']['pooled'])} | {_pct(own)} | "
+                     f"{_pct(shared)} | {dis} |")
     return lines
 
 
@@ -146,7 +150,10 @@ def markdown(setup: dict, summary: dict) -> str:
         *_prediction_table(summary),
         "",
         ("On a disagreement set the two signs differ, so exactly one of them matches the "
-         "realised change of every decided token: the two percentages sum to 100%."),
+         "realised change of every decided token: the two percentages sum to 100%. A token's "
+         "state is its prompt + response prefix; tokens of one state share one softmax, so one "
+         "step moves their D together whatever their own advantages say (share of active tokens "
+         f"sharing their state: {_pct(summary.get('shared_state_fraction'))})."),
         "",
     ]
     return "\n".join(head)

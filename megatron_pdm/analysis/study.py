@@ -14,8 +14,9 @@ bit before each seed) and gets its own rollout batch:
            the checkpoint's weights (the local engine's sampling generator is seeded by s; a
            server engine samples with its own randomness), rewards, Dr.GRPO advantages.
     saved  seed = one batch saved by the driver (`log.save_rollouts`; all saved batches, oldest
-           first); its iteration's distance to the checkpoint is recorded as staleness (0: the
-           checkpoint is the state that generated it, the driver's own situation).
+           first); the distance of the weights that generated it to the checkpoint is recorded
+           as staleness (0: the checkpoint is the state that generated it, the driver's own
+           situation without rollout.overlap).
 
 The batch is split into the driver's minibatches (the driver's permutation for (seed,
 iteration)); the driver's own optimizer steps with the run's loss are taken on minibatches
@@ -211,8 +212,8 @@ def _gather_setup(a, cfg, path, ckpt_iteration, trainer, j) -> dict:
             "batches": a.batches, "minibatch": j, "stale_steps": j,
             "minibatches_per_iteration": cfg.train.minibatches_per_iteration,
             "criteria": list(a.criteria), "delta_kl": a.delta_kl, "delta_tv": a.delta_tv,
-            "tol": a.tol, "stats_dtype": a.stats_dtype, "tp": info.tp_size, "dp": info.dp_size, "pp": info.pp_size,
-            "ep": info.ep_size, "world_size": info.world_size,
+            "tol": a.tol, "stats_dtype": a.stats_dtype, "tp": info.tp_size, "dp": info.dp_size,
+            "pp": info.pp_size, "ep": info.ep_size, "world_size": info.world_size,
             "optimizer": ("megatron DistributedOptimizer (Adam)"
                           if cfg.parallel.use_distributed_optimizer else "megatron Adam"),
             "adam_state": a.adam_state,
@@ -265,20 +266,25 @@ def run_study(a: StudyArgs) -> dict | None:
         if bad:
             raise RuntimeError(f"seed {label}: the checkpoint state is not restored bit-exactly "
                                f"({len(bad)} entries differ, first: {bad[:5]})")
-        stale, study_mbs = _minibatches(trainer, batch, perm_seed, j)
-        for mbs in stale:  # the driver's own steps before minibatch j, with the run's loss
+        earlier_mbs, study_mbs = _minibatches(trainer, batch, perm_seed, j)
+        for mbs in earlier_mbs:  # the driver's own steps before minibatch j, with the run's loss
             optimizer_step(trainer.model, trainer.optimizer, mbs,
                            lambda mb: loss_adapter.make_loss_func(mb, cfg.loss), pp=pp)
         probe = MegatronProbe(trainer.model, trainer.optimizer, study_mbs, criteria, pp=pp,
                               stats_dtype=stats_dtype)
         m = measure_seed(probe, criteria, keep_all, tol=a.tol)
-        m.counts.update(seed=label, batch_iteration=it, staleness=ckpt_iteration - it)
+        # staleness: checkpoint weights minus the weights that generated the batch (its
+        # weight_version when numeric, else the iteration that trained on it)
+        version = str(batch.weight_version)
+        stale = ckpt_iteration - (int(version) if version.isdigit() else it)
+        m.counts.update(seed=label, batch_iteration=it, batch_weight_version=batch.weight_version,
+                        staleness=stale)
         per_seed.append(m.counts)
         arrays = token_arrays(m, criteria)
         arrays["seed"] = torch.full_like(arrays["adv"], float(label))
         tokens.append(arrays)
         labels.append(label)
-        staleness.append(ckpt_iteration - it)
+        staleness.append(stale)
         seed_times.append(time.time() - t0)
         c0 = m.counts["criteria"][criteria[0].name]
         logger.info("seed %s: %d active tokens, %d out of region, unsafe-keep %s (%s), %.1f s",

@@ -37,6 +37,8 @@ _PRED = {  # prediction score name -> (numerator, denominator) in count_seed's p
     "accuracy_out_of_region": ("correct_out_of_region", "decided_out_of_region"),
     "disagree_accuracy": ("disagree_correct", "disagree_decided"),
     "baseline_disagree_accuracy": ("baseline_disagree_correct", "baseline_disagree_decided"),
+    "accuracy_unique_state": ("correct_unique_state", "decided_unique_state"),
+    "accuracy_shared_state": ("correct_shared_state", "decided_shared_state"),
 }
 _COUNTS = ("n_out_of_region", "n_kept_out_of_region", "n_masked_out_of_region", "n_unsafe_kept",
            "n_disagree", "n_disagree_out_of_region")
@@ -127,11 +129,17 @@ def summarize(seeds: list[dict], criteria: list, *, bootstrap_seed: int = 0) -> 
         bootstrap_seed: seed of the bootstrap's generator.
 
     Returns:
-        {"seeds": n, "criteria": {name: {...}}, "paired": [{...} per predictive criterion]}.
+        {"seeds": n, "shared_state_fraction": active tokens sharing their state / active tokens
+        (None without state columns), "criteria": {name: {...}},
+        "paired": [{...} per predictive criterion]}.
     """
     if not seeds:
         raise ValueError("summarize: no seeds")
     per = {c.name: _criterion_summary(c.name, seeds, bootstrap_seed) for c in criteria}
+    shared = [s.get("n_shared_state") for s in seeds]
+    n_active = sum(s.get("n_active", 0) for s in seeds)
     paired = [_paired(c.name, c.baseline, per, bootstrap_seed) for c in criteria
               if c.baseline is not None]
-    return {"seeds": len(seeds), "criteria": per, "paired": paired}
+    frac = (sum(shared) / n_active if n_active and None not in shared else None)
+    return {"seeds": len(seeds), "shared_state_fraction": frac, "criteria": per,
+            "paired": paired}

@@ -12,13 +12,16 @@ Columns (docs/math.md §3.2, §3.3, §3.6, §3.7):
     ratio          r = pi_k / mu_k (clamped log-ratio, as the loss uses it)
     topk_kl        D_K, the Top-K KL proximity (§2.3)
     topk_tv        D_TV,K
-    local          pi_k - mu_k (mu_k from the support slot), the local term of Ddot_KL (sign of r - 1)
+    local          pi_k - mu_k (mu_k from the support slot), the local term of Ddot_KL
+                   (the sign of r - 1)
     global_<tail>  Ddot_KL - local = sum_S pi_i (mu_i - pi_i) + tau_<tail>, the "global" term
                    sum_j pi_j (mu_j - pi_j) with the tail estimated by <tail> in
                    {aggregated, uniform, exact} (§3.3)
     ddot_tv        Ddot_TV,K with the exact P2 (§3.6; ties excluded)
     keep/<name>    1.0 where criterion <name> keeps the token (its M), else 0.0
     away/<name>    the criterion's direction score (> 0: predicted to move away)
+    state_h1/h2    (optional) a hash of the token's state, the prompt + response prefix it is
+                   sampled from (`state_hashes`)
 
 Shape legend: N rows of the flattened batch, n table rows (loss rows with support).
 """
@@ -33,7 +36,7 @@ from megatron_pdm.loss.policy_loss import policy_loss
 from megatron_pdm.ops.direction import TAIL_ESTIMATORS
 from megatron_pdm.ops.stats import TokenStats
 
-__all__ = ["TokenTable", "token_table"]
+__all__ = ["TokenTable", "state_hashes", "token_table"]
 
 
 @dataclass
@@ -76,9 +79,29 @@ class TokenTable:
                    for k in self.columns)
 
 
+def state_hashes(tokens_bs: torch.Tensor) -> torch.Tensor:
+    """[b*s, 2] int64 hashes of every row's state (the prefix tokens[b, :p+1] that row p of a
+    row-aligned batch conditions on), in the bs row order of `PackedBatch.flat()`.
+
+    Two polynomial rolling hashes modulo the Mersenne prime 2^31 - 1 (each value < 2^31, so the
+    pair is exact in float64 columns); two rows with equal pairs have the same prefix except
+    for a ~1e-18 collision chance.
+    """
+    mod = (1 << 31) - 1
+    x_bs = tokens_bs.to(torch.int64).cpu() + 1
+    out = torch.empty(*x_bs.shape, 2, dtype=torch.int64)
+    for i, base in enumerate((1_000_003, 999_983)):
+        h_b = torch.zeros(x_bs.shape[0], dtype=torch.int64)
+        for p in range(x_bs.shape[1]):
+            h_b = (h_b * base + x_bs[:, p]) % mod  # < 2^31 * 2^20: no int64 overflow
+            out[:, p, i] = h_b
+    return out.reshape(-1, 2)
+
+
 def token_table(stats: TokenStats, adv_N: torch.Tensor, behavior_logprob_N: torch.Tensor,
                 loss_mask_N: torch.Tensor, criteria: list, *,
-                seq_ids_N: torch.Tensor | None = None) -> TokenTable:
+                seq_ids_N: torch.Tensor | None = None,
+                states_N2: torch.Tensor | None = None) -> TokenTable:
     """The study's per-token columns of one batch evaluation.
 
     Args:
@@ -87,6 +110,9 @@ def token_table(stats: TokenStats, adv_N: torch.Tensor, behavior_logprob_N: torc
         criteria: `analysis.criteria.Criterion`s; each one's mask and direction score are taken
             from `policy_loss` with its config.
         seq_ids_N: sequence ids (needed only by the sequence aggregations of `policy_loss`).
+        states_N2: optional `state_hashes` of the rows (columns state_h1, state_h2): tokens of
+            different samples with the same prefix share one softmax, so one step moves their
+            D together whatever their own advantages say.
 
     Returns:
         The TokenTable of the loss rows that have a behaviour support.
@@ -113,4 +139,7 @@ def token_table(stats: TokenStats, adv_N: torch.Tensor, behavior_logprob_N: torc
             ratio = out.ratio if ratio is None else ratio
         if ratio is not None:
             cols["ratio"] = col(ratio)
+        if states_N2 is not None:
+            cols["state_h1"] = col(states_N2[:, 0].to(rows_N.device))
+            cols["state_h2"] = col(states_N2[:, 1].to(rows_N.device))
     return TokenTable(cols)

@@ -6,8 +6,9 @@ but the newest N files, so the disk used is bounded by N batches. Each file hold
 containers only (tensors, lists, numbers, strings), so `torch.load(weights_only=True)` reads it:
 
     format      "megatron_pdm.rollout/1"
-    iteration   the driver's iteration (its rollouts come from the weights of checkpoint
-                iter_<iteration>, i.e. that checkpoint is the batch's on-policy state)
+    iteration   the driver's iteration that trained on it; the weights that generated it are
+                `batch.weight_version` (= the iteration, i.e. checkpoint iter_<iteration> is its
+                on-policy state, unless rollout.overlap generated it one version earlier)
     batch       the RolloutBatch facts (temperature, weight_version, top_logprobs, n,
                 num_prompts, vocab_size, validated)
     fields      the samples' tensors concatenated per field (prompt/response ids, behaviour

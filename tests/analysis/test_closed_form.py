@@ -8,6 +8,9 @@ counting (`count_seed`) through `token_stats` / `policy_loss`; the test recomput
 from the formulas of §2.3, §3.2, §3.3 in numpy float64, token by token with plain loops (no
 library code), and compares every count exactly and every rate to 1e-12.
 
+The optional TV pair is checked the same way for the ratio-tv criterion (counted on D_TV,K with
+its own delta).
+
 Margins are checked too, so the exact comparison is not luck: no token lies within 1e-9 of a
 decision boundary (D = delta, Ddot = 0, r = 1, dD = 0 for kept tokens; masked tokens do not
 move at all).
@@ -185,3 +188,44 @@ def test_restore_failure_is_reported():
     probe.restore = lambda snap: None  # steps accumulate: the state never returns
     with pytest.raises(RuntimeError, match="not bit-exact"):
         measure_seed(probe, criteria, None)
+
+
+def _hand_tv(z, ids, mu_s):
+    pi = _softmax(z)
+    in_s = np.zeros(V, dtype=bool)
+    in_s[ids] = True
+    mu_t = max(0.0, 1.0 - mu_s.sum())
+    return 0.5 * (np.abs(mu_s - pi[ids]).sum() + abs(mu_t - pi[~in_s].sum())), pi
+
+
+def test_tv_ratio_criterion_counts_on_the_tv_divergence():
+    """The optional TV pair: ratio-tv is counted on D_TV,K (§2.3) with its own delta."""
+    tokens = make_tokens(300, V, K, seed=11, noise=0.6)
+    base = PolicyLossConfig.preset("pdm-tv")
+    delta_tv = 0.1
+    criteria = build_criteria(("ratio-tv", "pdm-tv"), base, delta_kl=DELTA, delta_tv=delta_tv)
+    m = measure_seed(FreeLogitProbe(tokens, criteria, lr=LR), criteria, None)
+    z0, adv, ks = tokens["z"].numpy(), tokens["adv"].double().numpy(), tokens["k"].numpy()
+    oor = kept = unsafe = 0
+    for t in range(300):
+        valid = tokens["support_valid"][t].numpy()
+        ids = tokens["support_ids"][t].numpy()[valid]
+        mu_s = np.exp(tokens["support_logprobs"][t].double().numpy()[valid])
+        mu_k = float(np.exp(np.float64(tokens["behavior_logprob"][t].item())))
+        d0, pi = _hand_tv(z0[t], ids, mu_s)
+        r = pi[ks[t]] / mu_k
+        out = adv[t] != 0 and d0 > delta_tv
+        keep = not (d0 > delta_tv and adv[t] * (r - 1.0) > 0)
+        onehot = np.zeros(V)
+        onehot[ks[t]] = 1.0
+        z1 = z0[t] + LR * adv[t] * min(r, base.ratio_cap) * keep * (onehot - pi)
+        d1, _ = _hand_tv(z1, ids, mu_s)
+        oor += out
+        kept += out and keep
+        unsafe += out and keep and d1 - d0 > 0
+    c = m.counts["criteria"]["ratio-tv"]
+    assert c["divergence"] == "topk_tv" and c["delta"] == delta_tv
+    assert (c["n_out_of_region"], c["n_kept_out_of_region"], c["n_unsafe_kept"]) == (
+        oor, kept, unsafe)
+    assert oor > 50 and kept > 10
+    assert m.counts["criteria"]["pdm-tv"]["n_out_of_region"] == oor
