@@ -5,8 +5,12 @@
 Run as one process: it spawns the pp*lcm(tp, ep) gloo ranks the layout needs (CPU, one thread
 each). For large layouts spread over hosts, start it under torchrun with that many ranks instead
 (`torchrun --nnodes N --nproc-per-node M tools/convert_hf_to_megatron.py ...`); every rank reads
-only its own tensors. The checkpoint loads at any other layout with the same vocab padding;
-`pdm_model.json` next to it records the architecture for export and training.
+only its own tensors. The checkpoint loads at any other layout with the same vocab padding.
+
+MCORE is Megatron-LM's `--load` layout (megatron_pdm/convert/load_dir.py): the dist checkpoint
+in MCORE/release/ and the tracker MCORE/latest_checkpointed_iteration.txt ("release"), so
+Megatron-LM and slime load it with `--load MCORE`; `pdm_model.json` beside them records the
+architecture for export and training (`checkpoint.load_dir: MCORE`).
 """
 
 from __future__ import annotations
@@ -52,7 +56,8 @@ if __name__ == "__main__":
     parser.add_argument(
         "--hf-dir", required=True, help="HF checkpoint dir (config.json + safetensors)"
     )
-    parser.add_argument("--out", required=True, help="output megatron dist checkpoint dir")
+    parser.add_argument("--out", required=True,
+                        help="output directory (Megatron-LM --load layout: release/ + tracker)")
     parser.add_argument("--tp", type=int, default=1, help="tensor parallel size")
     parser.add_argument("--ep", type=int, default=1, help="expert parallel size")
     parser.add_argument("--pp", type=int, default=1, help="pipeline parallel size")

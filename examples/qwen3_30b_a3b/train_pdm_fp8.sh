@@ -11,15 +11,19 @@
 #   2. the HF checkpoint converted once (any layout; the dist checkpoint reshards on load):
 #        python tools/convert_hf_to_megatron.py --hf-dir Qwen3-30B-A3B --out $MCORE_CKPT \
 #            --tp 4 --ep 8 --key-style te
-#      and verified: python tools/verify_conversion.py --hf-dir ... --megatron-dir $MCORE_CKPT;
+#      and verified: python tools/verify_conversion.py --hf-dir ... --megatron-dir $MCORE_CKPT
+#      ($MCORE_CKPT is Megatron-LM's --load layout: release/ + latest_checkpointed_iteration.txt);
 #   3. SGLang servers up at $SGLANG_URL serving the same weights (launch_sglang.sh), able to
 #      read $SYNC_DIR (shared file system) where the trainer writes each weight version;
 #   4. prompts at $PROMPTS (JSONL, {"prompt": ..., "answer": ...}).
-# Expected memory per GPU (megatron_pdm.layout.estimate_memory, 2 nodes = world 16, TP4 EP8 PP1
-#   DP4, bf16, distributed optimizer, full recompute, micro-batch 1 x 8192 tokens):
-#   weights 7.5 GiB, fp32 grads 15.0 GiB, Adam 21.4 GiB, activations 0.7 GiB, logits 2.3 GiB
-#   = 46.8 GiB + CUDA/NCCL overhead. With 1 node (DP2) the optimizer state doubles: 68 GiB.
-#   Check any layout first with:  bash train_pdm.sh --dry-run
+# Expected memory per GPU, as printed by `bash train_pdm_fp8.sh --dry-run` (megatron_pdm.layout;
+#   TP4 EP8 PP1, bf16 + FP8 copies of the linear weights, distributed optimizer, full recompute,
+#   8192-token samples, micro-batch = 512 samples / 4 minibatches / DP / 16 micro-batches; GiB, + CUDA/NCCL overhead):
+#   world 16 (NNODES=2, DP4, micro-batch 2): weights 11.1, grads 15.0, optimizer 21.4, activations 1.3, logits 4.6 = 53.4 GiB
+#   world 8 (NNODES=1, DP2, micro-batch 4): weights 11.1, grads 15.0, optimizer 42.7, activations 2.6, logits 9.3 = 80.7 GiB
+#   (one node needs GPUs larger than 80 GB, e.g. H200, or more micro-batches: the dry-run shows it)
+# Check any layout first, on any machine (one process, no GPU, report on this console):
+#   NNODES=2 TP=4 EP=8 bash train_pdm_fp8.sh --dry-run
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -45,7 +49,7 @@ LOG_DIR="${LOG_DIR:-runs/qwen3_30b_a3b_pdm/logs}"
 DISTRIBUTED_ARGS=(
     --nnodes "${NNODES}" --node-rank "${NODE_RANK}" --nproc-per-node "${GPUS_PER_NODE}"
     --master-addr "${MASTER_ADDR}" --master-port "${MASTER_PORT}"
-    --log-dir "${LOG_DIR}" --redirects 3 --local-ranks-filter 0
+    --log-dir "${LOG_DIR}" --tee 3 --local-ranks-filter 0
 )
 # parallel layout (sequence parallelism is switched on by the driver whenever TP > 1; ETP = 1)
 PARALLEL_ARGS=(
@@ -87,7 +91,20 @@ MEMORY_ARGS=(
 # model section, checked against $MCORE_CKPT/pdm_model.json); print them for the log
 echo "model: ${MODEL_ARGS[*]}"
 
-torchrun "${DISTRIBUTED_ARGS[@]}" -m megatron_pdm.train \
-    --config "${HERE}/pdm.yaml" \
-    "${PARALLEL_ARGS[@]}" "${PRECISION_ARGS[@]}" "${CHECKPOINT_ARGS[@]}" \
-    "${ROLLOUT_ARGS[@]}" "${DATA_ARGS[@]}" "${LOSS_ARGS[@]}" "${MEMORY_ARGS[@]}" "$@"
+RUN_ARGS=(
+    --config "${HERE}/pdm.yaml"
+    "${PARALLEL_ARGS[@]}" "${PRECISION_ARGS[@]}" "${CHECKPOINT_ARGS[@]}"
+    "${ROLLOUT_ARGS[@]}" "${DATA_ARGS[@]}" "${LOSS_ARGS[@]}" "${MEMORY_ARGS[@]}"
+)
+
+# --dry-run: no torchrun, no GPU, no rendezvous. One process on this machine checks the layout of
+# the whole job (WORLD_SIZE = NNODES x GPUS_PER_NODE) and prints the per-GPU memory estimate here.
+for arg in "$@"; do
+    if [[ "${arg}" == "--dry-run" ]]; then
+        WORLD_SIZE=$((NNODES * GPUS_PER_NODE)) RANK=0 exec "${PYTHON:-python3}" \
+            -m megatron_pdm.train "${RUN_ARGS[@]}" "$@"
+    fi
+done
+
+# rank 0's output is shown here and every rank's is kept in ${LOG_DIR}
+torchrun "${DISTRIBUTED_ARGS[@]}" -m megatron_pdm.train "${RUN_ARGS[@]}" "$@"

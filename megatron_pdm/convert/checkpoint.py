@@ -10,9 +10,12 @@ A dist checkpoint describes every tensor by its global shape, so it loads at any
 (`load_model`) - except for the vocabulary padding, which megatron ties to TP (see
 `check_vocab_padding`).
 
-Next to the checkpoint, `pdm_model.json` records the architecture (`Qwen3MoeArch.to_dict`), the
-source HF expert layout and dtype, the layout used at import, the key style and the source HF
-config, so the exporter and the trainer can rebuild the model.
+The output directory is Megatron-LM's `--load` layout (`load_dir.py`): the dist checkpoint in
+`<out>/release/`, the tracker `<out>/latest_checkpointed_iteration.txt` ("release", written last,
+so an interrupted import is never taken for a checkpoint), and beside them `pdm_model.json`
+(the architecture (`Qwen3MoeArch.to_dict`), the source HF expert layout and dtype, the layout used
+at import, the key style and the source HF config, so the exporter and the trainer can rebuild
+the model) and `hf_assets/`.
 
 Key styles: megatron's local spec stores the pre-MLP norm as `mlp.linear_fc1.layer_norm_weight`,
 its Transformer Engine MoE spec as `pre_mlp_layernorm.weight`; `rename_for_key_style` maps one onto
@@ -29,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_pdm.arch import Qwen3MoeArch
+from megatron_pdm.convert import load_dir as layout_dir
 from megatron_pdm.convert import mapping
 from megatron_pdm.convert.hf_io import HFReader, read_hf_config
 
@@ -48,7 +52,7 @@ _ST_DTYPES = {"F32": "fp32", "BF16": "bf16", "F16": "fp16"}
 
 
 def read_meta(megatron_dir) -> dict:
-    path = Path(megatron_dir) / META_FILE
+    path = layout_dir.meta_dir(megatron_dir) / META_FILE
     if not path.exists():
         raise FileNotFoundError(
             f"{path} missing: not a checkpoint written by convert_hf_to_megatron"
@@ -202,8 +206,6 @@ def import_rank(
     hf_dir: str, out_dir: str, tp: int, ep: int, pp: int, dtype: str, key_style: str
 ) -> None:
     """One rank of the HF -> dist-checkpoint import (the process group must exist)."""
-    from megatron.core import dist_checkpointing
-
     from megatron_pdm.convert.distributed import init_model_parallel, is_rank0
 
     hf_cfg = read_hf_config(hf_dir)
@@ -216,24 +218,42 @@ def import_rank(
     model = build_local_model(arch, tp=tp, ep=ep, pp=pp, params_dtype=_DTYPES[dtype])
     fill_from_hf(model, reader, arch, expert_layout, progress=is_rank0())
     reader.close()
+    meta = {
+        "format": "megatron-core dist_checkpointing torch_dist",
+        "arch": arch.to_dict(),
+        "layout_at_import": {"tp": tp, "ep": ep, "pp": pp, "etp": 1},
+        "params_dtype": dtype,
+        "key_style": key_style,
+        "source": {"hf_dir": str(hf_dir), "expert_layout": expert_layout, "dtype": src_dtype},
+        "hf_config": hf_cfg,
+    }
+    save_release(model, out_dir, meta, key_style=key_style)
+    if is_rank0():
+        _copy_hf_assets(Path(hf_dir), Path(out_dir) / "hf_assets")
+
+
+def save_release(model, out_dir: str, meta: dict, *, key_style: str = "local",
+                 model_style: str = "local") -> None:
+    """Collective: `model` (built with the `model_style` spec) as a Megatron-LM release
+    checkpoint in `out_dir` (load_dir.py layout) with the `key_style` names and `meta` as its
+    pdm_model.json; the tracker comes last."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_pdm.convert.distributed import is_rank0
+
     out = Path(out_dir)
+    target = layout_dir.release_dir(out)
     if is_rank0():
-        out.mkdir(parents=True, exist_ok=True)
+        (out / layout_dir.TRACKER_FILE).unlink(missing_ok=True)  # until this save completes
+        target.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    sharded = rename_for_key_style(model.sharded_state_dict(), "local", key_style)
-    dist_checkpointing.save(sharded, str(out))
+    sharded = rename_for_key_style(model.sharded_state_dict(), model_style, key_style)
+    dist_checkpointing.save(sharded, str(target))
+    dist.barrier()
     if is_rank0():
-        meta = {
-            "format": "megatron-core dist_checkpointing torch_dist",
-            "arch": arch.to_dict(),
-            "layout_at_import": {"tp": tp, "ep": ep, "pp": pp, "etp": 1},
-            "params_dtype": dtype,
-            "key_style": key_style,
-            "source": {"hf_dir": str(hf_dir), "expert_layout": expert_layout, "dtype": src_dtype},
-            "hf_config": hf_cfg,
-        }
         (out / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        _copy_hf_assets(Path(hf_dir), out / "hf_assets")
+        layout_dir.write_tracker(out)
+    dist.barrier()
 
 
 def _copy_hf_assets(hf_dir: Path, dst: Path) -> None:
@@ -266,7 +286,7 @@ def load_model(megatron_dir: str, *, tp: int, ep: int, pp: int, key_style: str =
     check_vocab_padding(arch, meta["layout_at_import"]["tp"], tp)
     model = build_local_model(arch, tp=tp, ep=ep, pp=pp, params_dtype=_DTYPES[meta["params_dtype"]])
     sharded = rename_for_key_style(model.sharded_state_dict(), key_style, meta["key_style"])
-    state = dist_checkpointing.load(sharded, megatron_dir)
+    state = dist_checkpointing.load(sharded, layout_dir.weights_dir(megatron_dir))
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:

@@ -22,6 +22,7 @@ import torch
 from megatron_pdm.arch import Qwen3MoeArch
 from megatron_pdm.convert import mapping
 from megatron_pdm.convert.checkpoint import _DTYPES, _PRE_MLP_KEYS, arch_from_meta, read_meta
+from megatron_pdm.convert.load_dir import meta_dir, weights_dir
 from megatron_pdm.convert.hf_io import ShardedSafetensorsWriter
 
 _EXPERT_KEYS = {
@@ -191,6 +192,8 @@ def export_to_hf(
     if dtype == "source":
         dtype = meta["source"]["dtype"]
     torch_dtype = _DTYPES[dtype]
+    assets = meta_dir(megatron_dir) / "hf_assets"
+    megatron_dir = weights_dir(megatron_dir)  # Megatron-LM layout (release/) or a flat checkpoint
     metadata = read_metadata(megatron_dir)
     _check_checkpoint_shapes(metadata, arch, key_style)
 
@@ -214,7 +217,6 @@ def export_to_hf(
         raise ValueError(f"export wrote {written} tensors, the architecture has {len(expected)}")
     files = writer.finish()
     _write_config(meta, arch, out, dtype)
-    assets = Path(megatron_dir) / "hf_assets"
     if assets.is_dir():
         for p in assets.iterdir():
             shutil.copy2(p, out / p.name)

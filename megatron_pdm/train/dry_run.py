@@ -17,8 +17,8 @@ import logging
 import os
 
 from megatron_pdm.arch import min_world_size
-
 from megatron_pdm.configtree import ConfigError
+from megatron_pdm.convert.load_dir import meta_dir
 from megatron_pdm.train.config import RunConfig
 
 logger = logging.getLogger(__name__)
@@ -38,6 +38,13 @@ def _task_vocab_and_seq(cfg: RunConfig) -> tuple[int | None, int | None]:
     return None, None
 
 
+def micro_batch_size(cfg: RunConfig, dp: int) -> int:
+    """Samples per micro-batch on one DP rank (what the trainer's split gives, at least 1)."""
+    samples = cfg.rollout.prompts_per_iteration * cfg.rollout.group_size
+    return max(1, samples // (cfg.train.minibatches_per_iteration * dp
+                              * cfg.train.microbatches_per_minibatch))
+
+
 def dry_run(cfg: RunConfig) -> int:
     """Prints the layout report (rank 0 / single process). Returns a process exit code."""
     from megatron_pdm import layout
@@ -48,7 +55,7 @@ def dry_run(cfg: RunConfig) -> int:
     task_vocab, task_seq = _task_vocab_and_seq(cfg)
     meta = None
     load_dir = cfg.checkpoint.load_dir
-    if load_dir and os.path.exists(os.path.join(load_dir, "pdm_model.json")):
+    if load_dir and (meta_dir(load_dir) / "pdm_model.json").exists():
         meta = ms.read_checkpoint_meta(load_dir)
     elif load_dir and rank0:
         print(f"dry run: {load_dir}/pdm_model.json not found here; using the model section",
@@ -71,9 +78,7 @@ def dry_run(cfg: RunConfig) -> int:
             print(f"dry run: invalid layout\n{err}", flush=True)
         return 2
     seq = cfg.rollout.max_sequence_length or task_seq or arch.max_position_embeddings
-    samples = cfg.rollout.prompts_per_iteration * cfg.rollout.group_size
-    micro = max(1, samples // (cfg.train.minibatches_per_iteration * lay.dp
-                               * cfg.train.microbatches_per_minibatch))
+    micro = micro_batch_size(cfg, lay.dp)
     est = layout.estimate_memory(arch, lay, micro_batch_size=micro, seq_length=seq,
                                  params_dtype=cfg.precision.params_dtype,
                                  fp8=cfg.precision.fp8 is not None,
@@ -82,6 +87,10 @@ def dry_run(cfg: RunConfig) -> int:
                                  num_microbatches=cfg.train.microbatches_per_minibatch)
     if rank0:
         print(layout.format_report(arch, lay, est), flush=True)
+        print(f"  micro-batch: {micro} x {seq} tokens ({cfg.rollout.prompts_per_iteration} "
+              f"prompts x {cfg.rollout.group_size} samples / {cfg.train.minibatches_per_iteration}"
+              f" minibatches / DP {lay.dp} / {cfg.train.microbatches_per_minibatch} micro-batches)",
+              flush=True)
         prec = cfg.precision
         print(f"  precision: params {prec.params_dtype}, fp8 {prec.fp8 or 'off'}"
               f"{' (' + prec.fp8_recipe + ')' if prec.fp8 else ''}, recompute "

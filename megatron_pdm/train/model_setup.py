@@ -131,11 +131,13 @@ def load_initial_weights(module: torch.nn.Module, load_dir: str, meta: dict, *, 
     from megatron.core import dist_checkpointing
 
     from megatron_pdm.convert.checkpoint import check_vocab_padding, rename_for_key_style
+    from megatron_pdm.convert.load_dir import weights_dir
 
     arch = Qwen3MoeArch.from_dict(meta["arch"])
     check_vocab_padding(arch, meta["layout_at_import"]["tp"], tp)
     sharded = rename_for_key_style(module.sharded_state_dict(), style, meta["key_style"])
-    state = dist_checkpointing.load(sharded, load_dir)
+    # load_dir: what Megatron-LM's --load is given (tracker + release/), or a dist checkpoint
+    state = dist_checkpointing.load(sharded, weights_dir(load_dir))
     missing, unexpected = module.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:

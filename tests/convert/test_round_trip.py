@@ -44,6 +44,26 @@ def converted(tiny_hf, tmp_path_factory):
     return out
 
 
+def test_import_writes_the_megatron_lm_load_layout(converted):
+    """`--load <out>` in Megatron-LM: tracker "release" -> `<out>/release`, a torch_dist
+    checkpoint (megatron/training/checkpointing.py: read_metadata, get_checkpoint_name,
+    _get_checkpoint_format), whose tensors are GPTModel.sharded_state_dict() keys."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_pdm.convert.export import read_metadata
+
+    tracker = converted / "latest_checkpointed_iteration.txt"
+    assert tracker.read_text().strip() == "release"
+    release = converted / "release"
+    assert dist_checkpointing.check_is_distributed_checkpoint(str(release))
+    assert json.loads((release / "metadata.json").read_text())["sharded_backend"] == "torch_dist"
+    keys = read_metadata(str(release))
+    assert "decoder.layers.self_attention.linear_qkv.weight" in keys
+    assert "embedding.word_embeddings.weight" in keys and "output_layer.weight" in keys
+    assert (converted / "pdm_model.json").is_file()
+    assert not (converted / "metadata.json").exists()  # nothing but the layout at the top
+
+
 def test_round_trip_is_bit_exact(tiny_hf, converted, tmp_path):
     hf_dir, _, _ = tiny_hf
     meta = json.loads((converted / "pdm_model.json").read_text())
@@ -141,3 +161,23 @@ def test_refuses_mis_shaped_and_tampered(tiny_hf, converted, tmp_path):
     export = _tool("convert_megatron_to_hf").convert_megatron_to_hf
     with pytest.raises(ValueError, match=r"experts\.experts\.linear_fc1\.weight"):
         export(str(tampered), str(tmp_path / "never_hf"))
+
+
+def test_make_tiny_hf_tool_writes_the_readme_model(tiny_hf, tmp_path):
+    """`python tools/make_tiny_hf.py --out DIR` (the README's first conversion step) writes the
+    tiny model these tests convert: same config, bit-identical tensors for the same seed."""
+    import subprocess
+
+    hf_dir, _, _ = tiny_hf
+    out = tmp_path / "tiny_hf"
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "make_tiny_hf.py"), "--out",
+                           str(out)], capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "tiny random Qwen3-MoE" in proc.stdout
+    config = json.loads((out / "config.json").read_text())
+    # transformers 5 writes num_experts as num_local_experts
+    experts = config.get("num_experts", config.get("num_local_experts"))
+    assert (config["vocab_size"], config["hidden_size"], experts) == (1000, 64, 8)
+    src, dst = _all_tensors(hf_dir), _all_tensors(out)
+    assert src.keys() == dst.keys()
+    assert all(torch.equal(src[k], dst[k]) for k in src)

@@ -158,3 +158,80 @@ def test_jsonl_task(tmp_path):
     assert task.score(0, tok("I think it is 3")["input_ids"]) == 1.0
     assert extract_answer("a 1, then \\boxed{\\frac{1}{2}} b 7") == "\\frac{1}{2}"
     assert answers_match("total: 1,000.0", "1000") and not answers_match("no number", 5)
+
+
+# ---------------------------------------------------------------- cluster scripts' --dry-run
+
+_MEM_KEYS = ("weights", "grads", "optimizer", "activations", "logits", "total")
+
+
+def _dry_run_figures(script: str, world: int, monkeypatch, capsys) -> dict:
+    """GiB per GPU as printed by the driver's --dry-run for the script's overrides at `world`."""
+    from megatron_pdm.train.dry_run import dry_run
+
+    cfg = RunConfig.load(str(EXAMPLE / "pdm.yaml"), script_overrides(script))
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("RANK", "0")
+    capsys.readouterr()
+    assert dry_run(cfg) == 0
+    out = capsys.readouterr().out
+    figures = {k: float(re.search(rf"^\s+{k}\s+([\d.]+) GiB", out, re.M).group(1))
+               for k in _MEM_KEYS}
+    figures["micro"] = int(re.search(r"micro-batch: (\d+) x", out).group(1))
+    return figures
+
+
+@pytest.mark.parametrize("script", ["train_pdm.sh", "train_pdm_fp8.sh"])
+@pytest.mark.parametrize("nnodes", [None, "1"], ids=["default", "nnodes1"])
+def test_script_dry_run_runs_on_this_machine_and_prints_here(script, nnodes):
+    """`bash train_pdm.sh --dry-run` as its header says: no rendezvous (it hung waiting for a
+    second node), the report on this console (it went to a per-rank log file)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("NNODES", "WORLD_SIZE", "RANK")}
+    env.update(PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""),
+               PYTHONPATH=str(ROOT), PYTHON=sys.executable, MASTER_PORT="29391")
+    if nnodes:
+        env["NNODES"] = nnodes
+    proc = subprocess.Popen(["bash", str(EXAMPLE / script), "--dry-run"], cwd=str(ROOT), env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"{script} --dry-run (NNODES={nnodes or 'default'}) did not finish in 120 s")
+    assert proc.returncode == 0, err[-3000:]
+    world = 8 * int(nnodes or 2)
+    assert f"layout: world={world} TP=4" in out, out + err
+    assert re.search(r"^\s+total\s+[\d.]+ GiB", out, re.M), out
+
+
+@pytest.mark.parametrize("script", ["train_pdm.sh", "train_pdm_fp8.sh"])
+def test_script_header_memory_is_the_dry_run(script, monkeypatch, capsys):
+    """The header's memory lines are what the script's own --dry-run prints."""
+    text = (EXAMPLE / script).read_text()
+    lines = re.findall(r"^#\s+world (\d+) \(NNODES=\d+, DP\d+, micro-batch (\d+)\): weights "
+                       r"([\d.]+), grads ([\d.]+), optimizer ([\d.]+), activations ([\d.]+), "
+                       r"logits ([\d.]+) = ([\d.]+) GiB", text, re.M)
+    assert sorted(int(x[0]) for x in lines) == [8, 16], "header lacks the world 8/16 lines"
+    for world, micro, *gib in lines:
+        got = _dry_run_figures(script, int(world), monkeypatch, capsys)
+        assert int(micro) == got["micro"], (script, world)
+        assert [float(x) for x in gib] == [round(got[k], 1) for k in _MEM_KEYS], (script, world)
+
+
+def test_readme_memory_table_is_the_dry_run(monkeypatch, capsys):
+    """README's per-GPU memory table: every row equals the scripts' --dry-run output."""
+    readme = (ROOT / "README.md").read_text()
+    rows = re.findall(r"^\| `(train_pdm(?:_fp8)?\.sh)` \| (\d+) \(\d+×8\) \| \d+ \| (\d+) × 8192 \| "
+                      + r" \| ".join([r"([\d.]+) GiB"] * 6) + r" \|$", readme, re.M)
+    assert len(rows) >= 4, "README has no memory table generated from --dry-run"
+    for script, world, micro, *gib in rows:
+        got = _dry_run_figures(script, int(world), monkeypatch, capsys)
+        assert int(micro) == got["micro"], (script, world)
+        assert [float(x) for x in gib] == [round(got[k], 1) for k in _MEM_KEYS], (script, world)

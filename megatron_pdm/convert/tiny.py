@@ -1,0 +1,64 @@
+"""The tiny random HF Qwen3-MoE used by the conversion tests and the README's conversion example.
+
+vocab 1000, hidden 64, 2 layers, 4 query heads / 2 KV groups of width 16, 8 experts top-2
+(moe_intermediate 32), untied embeddings, RoPE base 1e6; weights drawn by transformers' own
+initialiser from `seed`, norm weights perturbed so they are not all ones (a mapping that mixed up
+two norms would otherwise still pass). Saved by `save_pretrained` (per-expert layout) or as one
+safetensors file of transformers' in-memory fused layout (`gate_up_proj [E, 2I, H]`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+TINY_CONFIG = {
+    "vocab_size": 1000,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "rope_theta": 1e6,
+    "tie_word_embeddings": False,
+    "initializer_range": 0.2,
+}
+EXPERT_LAYOUTS = ("per_expert", "fused")
+
+
+def tiny_model(seed: int = 0):
+    """The random `Qwen3MoeForCausalLM` (in memory)."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**TINY_CONFIG))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def make_tiny_hf(out_dir: str | Path, *, seed: int = 0, expert_layout: str = "per_expert"):
+    """Writes the tiny model to `out_dir` (config.json + safetensors). Returns the model."""
+    if expert_layout not in EXPERT_LAYOUTS:
+        raise ValueError(f"expert_layout must be one of {EXPERT_LAYOUTS}, got {expert_layout!r}")
+    model = tiny_model(seed)
+    out = Path(out_dir)
+    if expert_layout == "per_expert":
+        model.save_pretrained(out)  # transformers writes the hub's per-expert tensors
+        return model
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(out)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return model
