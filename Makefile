@@ -18,9 +18,12 @@ $(STAMP): setup.py constraints/ci.txt
 
 venv: $(STAMP)
 
+# make demo [SEED=1234] [THREADS=1] [ARGS="--set ..."]: torch threads per process (OMP_NUM_THREADS);
+# the run is deterministic for a given machine, seed and thread count.
 demo: $(STAMP)
-	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc-per-node $(NPROC) --master-port $${MASTER_PORT:-29517} \
-		-m megatron_pdm.train --config examples/tiny_cpu/config.yaml $(ARGS)
+	OMP_NUM_THREADS=$(or $(THREADS),1) $(VENV)/bin/torchrun --nproc-per-node $(NPROC) \
+		--master-port $${MASTER_PORT:-29517} -m megatron_pdm.train \
+		--config examples/tiny_cpu/config.yaml $(if $(SEED),--set seed=$(SEED)) $(ARGS)
 
 test: $(STAMP)
 	@scripts/setup_vllm_cpu.sh || echo "make test: scripts/setup_vllm_cpu.sh failed;" \

@@ -31,6 +31,10 @@ EXTRAS = {
     "gpu": [
         "transformer-engine[pytorch]>=2.8",
     ],
+    # log.wandb=true (Weights & Biases); imported only when enabled.
+    "wandb": [
+        "wandb>=0.17",
+    ],
 }
 
 setup(

@@ -3,13 +3,59 @@
 Flags: `--set dotted.key=value` (repeatable), `--preset NAME` (= --set loss.preset=NAME),
 `--output-dir DIR`, `--resume` (continue from the latest checkpoint in DIR/checkpoints, or start
 fresh when there is none), `--dry-run` (validate the layout and print a memory estimate without
-initialising torch.distributed or allocating the model).
+initialising torch.distributed or allocating the model; needs no torchrun), `--save-warmup DIR`
+(run only the supervised warm-up and save its weights to DIR for `checkpoint.load_dir`).
+
+Common mistakes get a one-line hint instead of a traceback (cli.run_cli): Megatron-LM flags such
+as `--tp 4` name the `--set` key that does the same, and a training run started without torchrun
+says how to start it.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+from megatron_pdm.configtree import ConfigError
+
+# Megatron-LM / slime flags -> the config key that does the same here.
+MEGATRON_FLAGS = {
+    "--tp": "parallel.tp", "--tensor-model-parallel-size": "parallel.tp",
+    "--pp": "parallel.pp", "--pipeline-model-parallel-size": "parallel.pp",
+    "--ep": "parallel.ep", "--expert-model-parallel-size": "parallel.ep",
+    "--use-distributed-optimizer": "parallel.use_distributed_optimizer",
+    "--lr": "train.lr", "--weight-decay": "train.weight_decay", "--clip-grad": "train.clip_grad",
+    "--adam-beta1": "train.adam_beta1", "--adam-beta2": "train.adam_beta2",
+    "--train-iters": "train.iterations", "--recompute-granularity": "train.recompute",
+    "--seed": "seed", "--load": "checkpoint.load_dir", "--save": "output_dir",
+    "--save-interval": "checkpoint.save_interval", "--bf16": "precision.params_dtype",
+    "--fp8-format": "precision.fp8", "--fp8-recipe": "precision.fp8_recipe",
+    "--seq-length": "rollout.max_sequence_length", "--tensorboard-dir": "log.tensorboard",
+    "--wandb-project": "log.wandb_project", "--num-layers": "model.num_layers",
+    "--hidden-size": "model.hidden_size", "--num-experts": "model.num_experts",
+}
+_FLAG_VALUES = {"--bf16": "bf16", "--use-distributed-optimizer": "true",
+                "--tensorboard-dir": "true"}
+
+
+def unknown_args_hint(unknown: list[str]) -> str:
+    """One line for arguments argparse did not recognise, naming the --set key for known ones."""
+    hints = []
+    for i, arg in enumerate(unknown):
+        flag, _, inline = arg.partition("=")
+        key = MEGATRON_FLAGS.get(flag) or MEGATRON_FLAGS.get(flag.replace("_", "-"))
+        if key is None:
+            continue
+        value = (_FLAG_VALUES.get(flag) or inline
+                 or (unknown[i + 1] if i + 1 < len(unknown) and not
+                     unknown[i + 1].startswith("--") else "VALUE"))
+        hints.append(f"{arg if inline else flag} -> --set {key}={value}")
+    msg = f"unrecognized arguments: {' '.join(unknown)}"
+    if hints:
+        msg += ("; this driver takes Megatron-LM settings as config keys: " + ", ".join(hints))
+    return msg + (" (flags: --config, --set KEY=VALUE, --preset, --output-dir, --resume, "
+                  "--dry-run, --save-warmup DIR)")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -22,7 +68,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true", help="resume from the latest checkpoint")
     p.add_argument("--dry-run", action="store_true",
                    help="validate the parallel layout, print a memory estimate, exit")
-    return p.parse_args(argv)
+    p.add_argument("--save-warmup", default=None, metavar="DIR",
+                   help="run only the warm-up; save its weights to DIR (checkpoint.load_dir)")
+    args, unknown = p.parse_known_args(argv)
+    if unknown:
+        raise ConfigError(unknown_args_hint(unknown))
+    return args
+
+
+def check_launcher(cfg, env=None) -> None:
+    """A training run is one process per rank: refuse a plain `python -m` start with the fix."""
+    env = os.environ if env is None else env
+    if all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        return
+    from megatron_pdm.arch import min_world_size
+
+    p = cfg.parallel
+    n = min_world_size(tp=p.tp, pp=p.pp, ep=p.ep)
+    raise ConfigError(
+        f"python -m megatron_pdm.train runs one process per rank and needs torchrun: "
+        f"torchrun --nproc-per-node {n} -m megatron_pdm.train {' '.join(sys.argv[1:])} "
+        f"(parallel.tp={p.tp} x pp={p.pp} x ep={p.ep} needs {n} ranks; `make demo` runs the "
+        "CPU demo; --dry-run needs no torchrun)")
 
 
 def main(argv=None) -> int:
@@ -42,9 +109,19 @@ def main(argv=None) -> int:
         from megatron_pdm.train.dry_run import dry_run
 
         return dry_run(cfg)
-    from megatron_pdm.train.trainer import run_main
+    check_launcher(cfg)
+    if cfg.log.wandb:
+        from megatron_pdm.train.logging_utils import wandb_module
 
-    run_main(cfg, resume=args.resume)
+        wandb_module()  # a missing package is a one-line error before any process group
+    if args.save_warmup:
+        from megatron_pdm.train.warmup_export import save_warmup
+
+        save_warmup(cfg, args.save_warmup)
+    else:
+        from megatron_pdm.train.trainer import run_main
+
+        run_main(cfg, resume=args.resume)
     from megatron_pdm.mcore.parallel import destroy_parallel
 
     destroy_parallel()

@@ -1,12 +1,18 @@
-"""Run several loss presets x seeds (short runs) and plot them side by side.
+"""Run several loss presets x seeds from one shared warm-up and plot them side by side.
 
     python -m megatron_pdm.train.compare --config examples/tiny_cpu/config.yaml \
         --presets grpo dppo-topk-kl pdm-agg drpo --seeds 1 2 --output-dir runs/compare \
-        [--set train.iterations=40] [--nproc 2]
+        [--set train.iterations=100] [--nproc 2] [--threads 1]
 
-Each run is a separate `torchrun -m megatron_pdm.train` (sequential: 2 cores), written to
-`<output-dir>/<preset>_s<seed>/`. The script then writes `<output-dir>/compare.png` (the four
-panels of report.PANELS, one line per run) and `<output-dir>/compare.md` (one summary row per run).
+1. The supervised warm-up runs once (the config's seed) with `--save-warmup`, into
+   `<output-dir>/warmup/` (reused when it exists and was made from the same config).
+2. Every (preset, seed) is a separate `torchrun -m megatron_pdm.train` (sequential) that starts
+   RL from those weights (`checkpoint.load_dir`, `warmup.steps=0`; a fresh optimizer, as after
+   the main job's warm-up), written to `<output-dir>/<preset>_s<seed>/`.
+3. `<output-dir>/compare.png` (report.PANELS, one smoothed line per run, one legend) and
+   `<output-dir>/compare.md` (one summary row per run).
+
+Progress lines report each run's wall time and an estimate of the time left.
 """
 
 from __future__ import annotations
@@ -17,9 +23,12 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 from megatron_pdm.train.logging_utils import read_metrics
 from megatron_pdm.train.report import plot_runs
+
+TRACKER = "latest_checkpointed_iteration.txt"
 
 
 def _free_port() -> int:
@@ -28,16 +37,42 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_one(config: str, preset: str, seed: int, out: str, overrides: list[str],
-            nproc: int) -> None:
+def _torchrun(args: list[str], nproc: int, threads: int) -> None:
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     cmd = [torchrun, "--nproc-per-node", str(nproc), "--master-port", str(_free_port()),
-           "-m", "megatron_pdm.train", "--config", config, "--preset", preset,
-           "--output-dir", out, "--set", f"seed={seed}", "--set", "log.progress=false"]
-    for item in overrides:
-        cmd += ["--set", item]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    subprocess.run(cmd, check=True, env=env)
+           "-m", "megatron_pdm.train", *args]
+    subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
+
+
+def _sets(items: list[str]) -> list[str]:
+    return [a for item in items for a in ("--set", item)]
+
+
+def shared_warmup(config: str, out: str, overrides: list[str], nproc: int, threads: int) -> dict:
+    """The warm-up checkpoint of `config` + `overrides` in `out` (made once, then reused)."""
+    from megatron_pdm.train.config import RunConfig
+    from megatron_pdm.train.warmup_export import WARMUP_FILE
+
+    wanted = RunConfig.load(config, overrides + [f"output_dir={out}"]).to_dict()
+    record_path = os.path.join(out, WARMUP_FILE)
+    if os.path.exists(os.path.join(out, TRACKER)) and os.path.exists(record_path):
+        with open(record_path) as f:
+            record = json.load(f)
+        if record.get("config") == wanted:
+            print(f"compare: reusing the warm-up in {out}", flush=True)
+            return record
+    _torchrun(["--config", config, *_sets(overrides), "--output-dir", out, "--set",
+               "log.progress=false", "--save-warmup", out], nproc, threads)
+    with open(record_path) as f:
+        return json.load(f)
+
+
+def run_one(config: str, preset: str, seed: int, out: str, warm_dir: str, overrides: list[str],
+            nproc: int, threads: int) -> None:
+    sets = [*overrides, f"seed={seed}", f"checkpoint.load_dir={warm_dir}", "warmup.steps=0",
+            "log.progress=false"]  # after the user's overrides: these must win
+    _torchrun(["--config", config, "--preset", preset, "--output-dir", out, *_sets(sets)],
+              nproc, threads)
 
 
 def main(argv=None) -> int:
@@ -48,27 +83,41 @@ def main(argv=None) -> int:
     p.add_argument("--output-dir", default="runs/compare")
     p.add_argument("--set", dest="overrides", action="append", default=[])
     p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every process")
     args = p.parse_args(argv)
     os.makedirs(args.output_dir, exist_ok=True)
-    runs, table = {}, ["| run | RL reward start | RL reward end | greedy acc before RL | "
-                       "greedy acc after RL | masked frac | mean abs logprob diff |",
-                       "|---|---|---|---|---|---|---|"]
-    for preset in args.presets:
-        for seed in args.seeds:
-            name = f"{preset}_s{seed}"
-            out = os.path.join(args.output_dir, name)
-            run_one(args.config, preset, seed, out, args.overrides, args.nproc)
-            runs[name] = read_metrics(os.path.join(out, "metrics.jsonl"))
-            with open(os.path.join(out, "summary.json")) as f:
-                s = json.load(f)
-            table.append(f"| {name} | {s['rl_reward_initial']:.3f} | {s['rl_reward_final']:.3f} "
-                         f"| {s['greedy_acc_before_rl']:.3f} | {s['greedy_acc_after_rl']:.3f} "
-                         f"| {s['masked_frac_mean']:.4f} | {s['abs_logprob_diff_mean']:.4f} |")
+    t0 = time.time()
+    warm_dir = os.path.abspath(os.path.join(args.output_dir, "warmup"))
+    warm = shared_warmup(args.config, warm_dir, args.overrides, args.nproc, args.threads)
+    ev = warm["evals"]
+    print(f"compare: warm-up {int(ev.get('warmup_steps', 0))} steps, greedy accuracy "
+          f"{ev.get('before_rl', float('nan')):.3f} ({time.time() - t0:.0f} s)", flush=True)
+    header = ("| run | RL reward start | RL reward end | greedy acc before RL | "
+              "greedy acc after RL | masked frac | mean abs logprob diff | wall s |")
+    runs, table = {}, [header, "|---|---|---|---|---|---|---|---|"]
+    jobs = [(preset, seed) for preset in args.presets for seed in args.seeds]
+    for k, (preset, seed) in enumerate(jobs, 1):
+        name = f"{preset}_s{seed}"
+        out = os.path.join(args.output_dir, name)
+        t1 = time.time()
+        run_one(args.config, preset, seed, out, warm_dir, args.overrides, args.nproc,
+                args.threads)
+        took = time.time() - t1
+        runs[name] = read_metrics(os.path.join(out, "metrics.jsonl"))
+        with open(os.path.join(out, "summary.json")) as f:
+            s = json.load(f)
+        table.append(f"| {name} | {s['rl_reward_initial']:.3f} | {s['rl_reward_final']:.3f} "
+                     f"| {s['greedy_acc_before_rl']:.3f} | {s['greedy_acc_after_rl']:.3f} "
+                     f"| {s['masked_frac_mean']:.4f} | {s['abs_logprob_diff_mean']:.4f} "
+                     f"| {took:.0f} |")
+        print(f"compare: {k}/{len(jobs)} {name} done in {took:.0f} s, ~{took * (len(jobs) - k):.0f}"
+              f" s left", flush=True)
     plot_runs(runs, os.path.join(args.output_dir, "compare.png"),
-              title="presets x seeds: " + ", ".join(args.presets))
+              title="presets x seeds from one warm-up: " + ", ".join(args.presets))
     with open(os.path.join(args.output_dir, "compare.md"), "w") as f:
         f.write("\n".join(table) + "\n")
     print("\n".join(table), flush=True)
+    print(f"compare: {len(jobs)} runs in {time.time() - t0:.0f} s", flush=True)
     return 0
 
 

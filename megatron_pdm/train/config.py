@@ -75,6 +75,10 @@ class TaskConfig:
     """jsonl: last fraction of the file held out for the greedy evaluation (0: no evaluation)."""
     num_digits: int = 2
     """addition: digits per operand."""
+    operand_order: Literal["msb_first", "lsb_first"] = "msb_first"
+    """addition: digit order of the operands in the prompt ("lsb_first" writes them least
+    significant digit first, like the answer, so answer digit i sits at a fixed distance from
+    the operand digits it sums)."""
     num_filler_tokens: int = 3
     """addition: unused vocabulary entries (makes the vocabulary a non-multiple of megatron's
     padding)."""
@@ -177,14 +181,25 @@ class RolloutConfig:
 @dataclass(kw_only=True)
 class WarmupConfig:
     steps: int = 650
-    """Supervised steps on correct answers before RL (gives a non-zero starting reward)."""
+    """Supervised steps on correct answers before RL (gives a non-zero starting reward); with
+    `stop_at_accuracy` the most steps the warm-up may take."""
     batch_size: int = 64
     lr: float = 3e-3
+    stop_at_accuracy: float | None = None
+    """Stop the warm-up at the first check where the engine's greedy accuracy on
+    `probe_prompts` held-out prompts (disjoint from the evaluation prompts) reaches this value,
+    so RL starts from a measured accuracy rather than from a step count whose outcome depends on
+    the machine's floating-point summation order. None: always run `steps`."""
+    check_every: int = 10
+    """Supervised steps between two probes (with `stop_at_accuracy`)."""
+    probe_prompts: int = 128
 
     def __post_init__(self) -> None:
         check_fields(self, "warmup")
         _positive("warmup", self, "steps", allow_zero=True)
-        _positive("warmup", self, "batch_size", "lr")
+        _positive("warmup", self, "batch_size", "lr", "check_every", "probe_prompts")
+        if self.stop_at_accuracy is not None and not 0.0 < self.stop_at_accuracy <= 1.0:
+            raise ConfigError(f"warmup.stop_at_accuracy={self.stop_at_accuracy} must be in (0, 1]")
 
 
 @dataclass(kw_only=True)
@@ -252,6 +267,13 @@ class LogConfig:
     tensorboard: bool = True
     plot: bool = True
     progress: bool = True
+    """RL progress: a tqdm bar on a terminal, one plain line per 5% when stderr is redirected."""
+    wandb: bool = False
+    """Mirror metrics and evaluations to Weights & Biases (`pip install 'megatron-pdm[wandb]'`;
+    WANDB_MODE=offline writes locally without a network)."""
+    wandb_project: str = "megatron-pdm"
+    wandb_name: str | None = None
+    """W&B run name (None: the output directory's name)."""
     save_rollouts: int = 0
     """Keep the scored rollout batches of the last N iterations under `<output_dir>/rollouts/`
     (rank 0 writes `rollout_<iteration>.pt` and deletes older ones; read by

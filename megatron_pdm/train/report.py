@@ -1,9 +1,13 @@
 """End-of-run outputs: the PNG plot and the summary table (printed on rank 0 and saved).
 
-Plot panels (x = optimizer step; trailing moving average over ~1/40 of the run): mean rollout
-reward; masked fraction overall and by advantage sign; mean |pi_k - mu_k| and mean
-|log pi_k - log mu_k| (train/rollout mismatch); top-K KL / TV between the training policy and the
-rollout support.
+Plot panels, x = RL iteration (per-step metrics are averaged over the iteration's optimizer
+steps first: later steps of an iteration are off-policy, so per-step curves saw-tooth): the
+rollouts' mean sampled reward (with the greedy held-out accuracy before and after RL as markers);
+the masked fraction (single run: overall, A>0 and A<0); mean |pi_k - mu_k| and
+|log pi_k - log mu_k| (train/rollout mismatch); top-K KL / TV between the training policy and
+the rollout support. Each series is drawn raw (faint) with a centred moving average over ~1/10 of
+the run on top. With many runs (`compare`) each panel shows one smoothed line per run for its
+first metric, the raw lines only up to 3 runs, and one legend under the panels.
 
 Summary: RL reward at the start (mean of the first `window` iterations) and at the end (last
 `window`), greedy held-out accuracy before the warm-up, after it (= before RL) and after RL, the
@@ -17,64 +21,108 @@ import logging
 import math
 import os
 
+import torch
+
 from megatron_pdm.train.logging_utils import read_metrics
 
 logger = logging.getLogger(__name__)
 
+# (title, y-axis label, metric keys); the first key is the one compare plots show.
 PANELS = (
-    ("reward", ("reward/mean",)),
-    ("masked fraction", ("pdm/masked_frac", "pdm/masked_frac_pos_adv", "pdm/masked_frac_neg_adv")),
-    ("train/rollout mismatch", ("pdm/abs_prob_diff", "mismatch/abs_logprob_diff")),
-    ("top-K divergence", ("pdm/topk_kl_mean", "pdm/topk_tv_mean")),
+    ("sampled reward", "mean reward of the iteration's rollouts", ("reward/mean",)),
+    ("masked fraction", "fraction of A != 0 tokens masked",
+     ("pdm/masked_frac", "pdm/masked_frac_pos_adv", "pdm/masked_frac_neg_adv")),
+    ("train/rollout mismatch", "mean per token", ("mismatch/abs_logprob_diff",
+                                                  "pdm/abs_prob_diff")),
+    ("top-K divergence", "mean per token", ("pdm/topk_kl_mean", "pdm/topk_tv_mean")),
 )
+_LABELS = {"reward/mean": "reward", "pdm/masked_frac": "all", "pdm/masked_frac_pos_adv": "A>0",
+           "pdm/masked_frac_neg_adv": "A<0", "mismatch/abs_logprob_diff": "|log pi - log mu|",
+           "pdm/abs_prob_diff": "|pi - mu|", "pdm/topk_kl_mean": "top-K KL",
+           "pdm/topk_tv_mean": "top-K TV"}
+MAX_RAW_RUNS = 3
 
 
-def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
-    xs, ys = [], []
+def per_iteration(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """(iterations, mean of `key` over each iteration's optimizer steps), finite values only."""
+    sums: dict[int, list[float]] = {}
     for r in rows:
         v = r.get(key)
         if v is not None and isinstance(v, (int, float)) and math.isfinite(v):
-            xs.append(r["step"])
-            ys.append(v)
-    return xs, ys
+            sums.setdefault(int(r["iteration"]), []).append(float(v))
+    xs = sorted(sums)
+    return xs, [sum(sums[x]) / len(sums[x]) for x in xs]
 
 
-def _smooth(ys: list[float], window: int) -> list[float]:
-    """Trailing moving average (window 1 returns the input)."""
-    out, acc = [], 0.0
-    for i, y in enumerate(ys):
-        acc += y
-        if i >= window:
-            acc -= ys[i - window]
-        out.append(acc / min(i + 1, window))
+def smooth(ys: list[float], window: int) -> list[float]:
+    """Centred moving average (the window shrinks at the ends; window 1 returns the input)."""
+    half = max(0, window // 2)
+    out = []
+    for i in range(len(ys)):
+        lo, hi = max(0, i - half), min(len(ys), i + half + 1)
+        out.append(sum(ys[lo:hi]) / (hi - lo))
     return out
 
 
-def plot_runs(runs: dict[str, list[dict]], path: str, title: str = "") -> str:
-    """One figure, one panel per PANELS entry, one line per (run, key)."""
+def figure(runs: dict[str, list[dict]], title: str = "", evals: dict | None = None):
+    """The matplotlib figure of `runs` (label -> metrics rows); see the module docstring."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 3.8))
-    for ax, (name, keys) in zip(axes, PANELS):
-        for label, rows in runs.items():
-            for key in keys:
-                xs, ys = _series(rows, key)
-                ys = _smooth(ys, max(1, len(ys) // 40))  # per-step values are noisy
-                if xs:
-                    tag = key.split("/")[-1] if len(keys) > 1 else ""
-                    ax.plot(xs, ys, label=" ".join(t for t in (label, tag) if t), lw=1.2)
-        ax.set_title(name)
-        ax.set_xlabel("optimizer step")
-        if name != "reward":
-            ax.set_yscale("symlog", linthresh=1e-4)
-        ax.legend(fontsize=7)
+    many = len(runs) > 1
+    colors = plt.get_cmap("tab10" if len(runs) <= 10 else "tab20")
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8.2 if many else 7.6))
+    for ax, (name, ylabel, keys) in zip(axes.flat, PANELS):
+        shown = keys[:1] if many else keys
+        for i, (label, rows) in enumerate(runs.items()):
+            for j, key in enumerate(shown):
+                xs, ys = per_iteration(rows, key)
+                if not xs:
+                    continue
+                color = colors(i % colors.N) if many else colors(j)
+                if len(runs) <= MAX_RAW_RUNS:
+                    ax.plot(xs, ys, color=color, lw=0.8, alpha=0.25)
+                ax.plot(xs, smooth(ys, max(1, len(ys) // 10)), color=color, lw=1.6,
+                        label=label if many else _LABELS.get(key, key))
+        if not many and evals and name == "sampled reward":
+            _eval_markers(ax, runs, evals)
+        ax.set_title(f"{name} ({_LABELS.get(keys[0], keys[0])})" if many and len(keys) > 1
+                     else name)
+        ax.set_xlabel("RL iteration")
+        ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
+        if not many and ax.get_lines():
+            ax.legend(fontsize=8)
+    if many:
+        handles, labels = axes.flat[0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="lower center", ncol=min(6, max(1, len(labels))),
+                   fontsize=8, frameon=False)
+    fig.suptitle(title or "")
+    fig.tight_layout(rect=(0, 0.04 + 0.025 * ((len(runs) - 1) // 6) if many else 0, 1, 1))
+    return fig
+
+
+def _eval_markers(ax, runs: dict, evals: dict) -> None:
+    xs = [x for rows in runs.values() for x in per_iteration(rows, "reward/mean")[0]]
+    if not xs:
+        return
+    for x, key, text in ((min(xs), "before_rl", "greedy acc before RL"),
+                         (max(xs), "after_rl", "greedy acc after RL")):
+        v = evals.get(key)
+        if v is not None and math.isfinite(v):
+            ax.plot([x], [v], marker="D", ms=6, ls="none", color="black")
+            ax.annotate(f"{text} {v:.2f}", (x, v), textcoords="offset points", xytext=(4, 4),
+                        fontsize=7)
+
+
+def plot_runs(runs: dict[str, list[dict]], path: str, title: str = "",
+              evals: dict | None = None) -> str:
+    """Writes `figure(runs, title, evals)` to `path`."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(runs, title, evals)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
@@ -103,6 +151,8 @@ def summarize(rows: list[dict], evals: dict, wall_s: float, window: int = 10) ->
         "rl_reward_initial": _mean(rewards[:w]),
         "rl_reward_final": _mean(rewards[-w:]),
         "reward_window_iterations": w,
+        "warmup_steps": int(evals.get("warmup_steps", 0)),
+        "warmup_probe_acc": evals.get("warmup_probe_acc", float("nan")),
         "greedy_acc_before_warmup": evals.get("before_warmup", float("nan")),
         "greedy_acc_before_rl": evals.get("before_rl", float("nan")),
         "greedy_acc_after_rl": evals.get("after_rl", float("nan")),
@@ -125,9 +175,11 @@ def finish(cfg, evals: dict, wall_s: float) -> dict:
     rows = read_metrics(os.path.join(cfg.output_dir, "metrics.jsonl"))
     summary = summarize(rows, evals, wall_s)
     summary["preset"] = cfg.loss.name or "custom"
+    summary["seed"] = cfg.seed
+    summary["torch_threads"] = torch.get_num_threads()  # results are per (machine, seed, threads)
     if cfg.log.plot and rows:
         plot_runs({summary["preset"]: rows}, os.path.join(cfg.output_dir, "plot.png"),
-                  title=f"{summary['preset']} (seed {cfg.seed})")
+                  title=f"{summary['preset']} (seed {cfg.seed})", evals=evals)
     table = format_table(summary)
     with open(os.path.join(cfg.output_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)

@@ -2,6 +2,9 @@
 
 Prompt:  <bos> a_1 .. a_d + b_1 .. b_d =        (operands zero-padded to d digits, fixed length)
 Answer:  s_0 s_1 .. s_d <eos>                   (d+1 digits of a+b, least significant first)
+With `operand_order="lsb_first"` the operands are written least significant digit first too, so
+the token that predicts answer digit i is always at the same distance from a_i and b_i (an
+attention pattern the tiny model finds in far fewer supervised steps).
 
 Why this task: it is verifiable (exact match), has a dense enough signal for GRPO groups, and a
 two-layer MoE with a 64-wide residual learns it in minutes on 2 CPU cores. Writing the answer
@@ -63,18 +66,22 @@ def build_task(cfg):
                          max_sequence_length=cfg.rollout.max_sequence_length,
                          max_new_tokens=cfg.rollout.max_new_tokens)
     return AdditionTask(t.num_digits, Tokenizer(num_filler_tokens=t.num_filler_tokens),
-                        partial_credit=t.partial_credit)
+                        partial_credit=t.partial_credit, operand_order=t.operand_order)
 
 
 class AdditionTask:
     """Prompts, reference answers and the exact-match reward of d-digit addition."""
 
-    def __init__(self, num_digits: int, tokenizer: Tokenizer, *, partial_credit: bool = False):
+    def __init__(self, num_digits: int, tokenizer: Tokenizer, *, partial_credit: bool = False,
+                 operand_order: str = "msb_first"):
         if num_digits < 1:
             raise ValueError(f"num_digits must be >= 1, got {num_digits}")
+        if operand_order not in ("msb_first", "lsb_first"):
+            raise ValueError(f"operand_order must be msb_first or lsb_first, got {operand_order!r}")
         self.d = num_digits
         self.tok = tokenizer
         self.partial_credit = partial_credit
+        self.lsb_first = operand_order == "lsb_first"
 
     @property
     def prompt_len(self) -> int:
@@ -86,7 +93,10 @@ class AdditionTask:
         return self.d + 2
 
     def prompt(self, a: int, b: int) -> list[int]:
-        text = f"{a:0{self.d}d}+{b:0{self.d}d}="
+        x, y = f"{a:0{self.d}d}", f"{b:0{self.d}d}"
+        if self.lsb_first:
+            x, y = x[::-1], y[::-1]
+        text = f"{x}+{y}="
         return [self.tok.bos_id] + self.tok.encode(text)
 
     def answer(self, a: int, b: int) -> list[int]:
@@ -131,6 +141,11 @@ class AdditionTask:
 
     def eval_problems(self, seed: int, n: int) -> list[tuple[int, int]]:
         return self.operands_for(seed, -1, n)
+
+    def probe_problems(self, seed: int, n: int) -> list[tuple[int, int]]:
+        """The warm-up's stopping probe (warmup.stop_at_accuracy): a stream of its own, so the
+        evaluation prompts never decide when RL starts."""
+        return self.operands_for(seed, -2, n)
 
     def prompt_ids(self, problem: tuple[int, int]) -> list[int]:
         return self.prompt(*problem)

@@ -53,7 +53,13 @@ from megatron_pdm.train import rollout as ro
 from megatron_pdm.train import rollout_store
 from megatron_pdm.train import warmup as wu
 from megatron_pdm.train.config import RunConfig
-from megatron_pdm.train.logging_utils import MetricsWriter, Progress, is_rank0, log_rank0
+from megatron_pdm.train.logging_utils import (
+    MetricsWriter,
+    Progress,
+    is_rank0,
+    log_rank0,
+    wandb_init_kwargs,
+)
 from megatron_pdm.train.schedule import optimizer_step, reduce_step_metrics
 from megatron_pdm.train.task import build_task
 from rollout_bridge.packing import pack_padded
@@ -104,6 +110,7 @@ class Trainer:
         self.iteration = 0
         self.step = 0
         self.evals: dict[str, float] = {}
+        self.writer: MetricsWriter | None = None  # set by run(): TensorBoard / W&B scalars
         self.ckpt_dir = os.path.join(cfg.output_dir, "checkpoints")
         # rollout.overlap: the generation in flight, and the collected batch of self.iteration
         self._pending = None
@@ -179,16 +186,21 @@ class Trainer:
 
     # ------------------------------------------------------------------ phases
 
+    def _greedy_accuracy(self, problems: list) -> float:
+        batch = self._generate(problems, 0.0, 1)
+        return sum(self.task.score(q, s.response_ids.tolist())
+                   for q, s in zip(problems, batch.samples)) / len(problems)
+
     def evaluate(self, name: str) -> float:
         """Greedy exact-match accuracy of the engine on held-out prompts."""
         problems = self.task.eval_problems(self.cfg.seed, self.cfg.train.eval_prompts)
         if not problems:
             return float("nan")
-        batch = self._generate(problems, 0.0, 1)
-        acc = sum(self.task.score(q, s.response_ids.tolist())
-                  for q, s in zip(problems, batch.samples)) / len(problems)
+        acc = self._greedy_accuracy(problems)
         self.evals[name] = acc
         log_rank0("eval %s: greedy exact-match accuracy %.3f", name, acc)
+        if self.writer is not None:
+            self.writer.scalar(f"eval/greedy_acc_{name}", acc, self.step)
         return acc
 
     def warmup(self) -> None:
@@ -199,16 +211,34 @@ class Trainer:
                              "supervised warm-up; set warmup.steps=0")
         mopt.set_lr(self.optimizer, w.lr)
         vocab = self.arch.vocab_size
-        t0, loss = time.time(), float("nan")
+        rule = wu.StopRule(w.stop_at_accuracy, w.check_every)
+        probe = (self.task.probe_problems(self.cfg.seed, w.probe_prompts)
+                 if w.stop_at_accuracy is not None else [])
+        t0, loss, done = time.time(), float("nan"), 0
         for i in range(w.steps):
             problems = self.task.operands_for(self.cfg.seed + 1, i, w.batch_size)
             batch = wu.sft_batch(self.task, problems, pad_id=self.task.pad_id,
                                  pad_to_multiple_of=self.cfg.parallel.tp)
             mbs = [batch.select_rows(m) for m in self._dp_microbatches(torch.arange(w.batch_size))]
             means, _ = self._step(mbs, lambda mb: (lambda out: wu.sft_loss_func(out, mb, vocab)))
-            loss = means[M.SFT_LOSS]
-        log_rank0("warm-up: %d supervised steps, final CE %.4f, %.1f s", w.steps, loss,
+            loss, done = means[M.SFT_LOSS], i + 1
+            if rule.due(done):
+                self.sync_weights()
+                reached = rule.reached(done, self._greedy_accuracy(probe))
+                if self.writer is not None:
+                    self.writer.scalar("warmup/probe_acc", rule.probes[-1][1], done)
+                    self.writer.scalar("warmup/sft_loss", loss, done)
+                if reached:
+                    break
+        self.evals["warmup_steps"] = float(done)
+        if rule.probes:
+            self.evals["warmup_probe_acc"] = rule.probes[-1][1]
+            if rule.probes[-1][1] < rule.target:
+                log_rank0("warm-up: the probe accuracy did not reach warmup.stop_at_accuracy=%s "
+                          "in warmup.steps=%d steps", rule.target, w.steps, level=logging.WARNING)
+        log_rank0("warm-up: %d supervised steps, final CE %.4f, %.1f s", done, loss,
                   time.time() - t0)
+        wu.drop_optimizer_state(self.optimizer)
         mopt.set_lr(self.optimizer, self.cfg.train.lr)
 
     def rl_iteration(self, writer: MetricsWriter) -> dict:
@@ -306,10 +336,11 @@ class Trainer:
         cfg = self.cfg
         start = time.time()
         resumed = self._restore() if resume else False
+        writer = self.writer = MetricsWriter(
+            cfg.output_dir, resume_step=self.step if resumed else None,
+            tensorboard=cfg.log.tensorboard, wandb=wandb_init_kwargs(cfg))
         if not resumed:
             self._prepare()
-        writer = MetricsWriter(cfg.output_dir, resume_step=self.step if resumed else None,
-                               tensorboard=cfg.log.tensorboard)
         progress = Progress(cfg.train.iterations, self.iteration, cfg.log.progress)
         every = cfg.checkpoint.save_interval
         while self.iteration < cfg.train.iterations:
@@ -319,8 +350,8 @@ class Trainer:
             if every > 0 and self.iteration % every == 0 and self.iteration < cfg.train.iterations:
                 self.save()
         progress.close()
-        writer.close()
         self.evaluate("after_rl")
+        writer.close()
         self.save()
         return {"wall_s": time.time() - start}
 
@@ -357,6 +388,9 @@ def run_main(cfg: RunConfig, *, resume: bool) -> dict:
     if fallback_summary():
         log_rank0(fallback_summary())
     log_rank0("resolved config: %s", cfg.to_dict())
+    if is_rank0():
+        os.makedirs(cfg.output_dir, exist_ok=True)
+        cfg.save(os.path.join(cfg.output_dir, "config.yaml"))  # loads back with --config
     log_rank0("parallel layout: %s", current_parallel_info())
     result = trainer.run(resume=resume)
     if is_rank0():
