@@ -69,6 +69,8 @@ class FakeVLLMServer:
         self.calls: list[tuple[str, dict]] = []
         self.num_completions = 0
         self.digest_override: str | None = None
+        self.crash_on_next_load = False
+        """The next pdm_load_weights_b64 "crashes" the server (restart, connection dropped)."""
         self._initial = copy.deepcopy(engine.model.state_dict())
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -170,6 +172,11 @@ class FakeVLLMServer:
             self.version = str(body["new_version"])
             return web.json_response({"success": True, "new_version": self.version})
         method = body.get("method")
+        if method == "pdm_load_weights_b64" and self.crash_on_next_load:
+            self.crash_on_next_load = False
+            self.restart()
+            request.transport.close()
+            raise asyncio.CancelledError()
         try:
             result = self._rpc(method, *body.get("args", []), **body.get("kwargs", {}))
         except Exception as exc:  # noqa: BLE001 - reported like vLLM does

@@ -305,3 +305,18 @@ def test_server_down_fails_with_connection_errors():
     _complete(batch, 2, 2)
     assert {f.kind for f in batch.failures} == {"connection"}
     assert "unreachable" in batch.failures[0].error
+
+
+def test_push_into_a_dying_server_is_repeated_once_it_is_back(vserver):
+    client = _client(vserver, recover_timeout_s=10.0)
+    client.check_server()
+    vserver.crash_on_next_load = True
+    new = engine_weights(_engine(seed=9))
+    assert client.update_weights(new, "4") == "4"
+    assert client.weight_version() == "4"
+    for k, v in new.items():
+        assert torch.equal(vserver.engine.model.state_dict()[k], v)
+    # without waiting, the same crash is a WeightSyncError naming the failed request
+    vserver.crash_on_next_load = True
+    with pytest.raises(WeightSyncError, match="weight push of version 5 failed"):
+        _client(vserver).update_weights(new, "5")
