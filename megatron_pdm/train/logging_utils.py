@@ -25,6 +25,7 @@ import math
 import os
 import sys
 import time
+import uuid
 import warnings
 
 import torch.distributed as dist
@@ -156,7 +157,7 @@ def _wandb_run(output_dir: str, init_kwargs: dict):
         with open(id_path) as f:
             run_id = f.read().strip()
     else:
-        run_id = wandb.util.generate_id()
+        run_id = uuid.uuid4().hex[:12]  # W&B run ids: lowercase letters and digits
         with open(id_path, "w") as f:
             f.write(run_id)
     # W&B's step is the optimizer step; after --resume, steps it already holds are not rewritten.
