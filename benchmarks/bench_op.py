@@ -1,73 +1,84 @@
 """Benchmark: the fused token-stats op vs Megatron's vocab-parallel cross-entropy (fwd + bwd).
 
-What is compared, on the same [N, V/TP] logits shard, in one invocation:
-  ce      megatron.core.tensor_parallel.vocab_parallel_cross_entropy, fwd + bwd
-  op      megatron_pdm.token_stats (support S = K + 1 = 21) + backward of sum(g * logprob)
-  op_inplace  the same with inplace=True (fp32: exp kept in the logits storage for backward,
-          as Megatron's CE does; bf16 ignores the flag)
-  gather  "gather then log_softmax": concatenate the TP shards into full [N, V] logits (what an
-          all-gather produces), fp32 log_softmax, gather the sampled ids, fwd + bwd
+What is compared, on the same [N, V_local] logits shard of one TP rank, in one process:
+  ce          megatron.core.tensor_parallel.vocab_parallel_cross_entropy, fwd + bwd
+  op_inplace  megatron_pdm.token_stats(..., inplace=True, validate=False): the Megatron adapter's
+              path (fp32: works in the logits' storage like CE; bf16 ignores the flag)
+  op          token_stats with the logits kept intact (default; softmax recomputed in backward)
+  gather      "all-gather then log_softmax": full [N, V] logits, fp32 log_softmax, fwd + bwd
 
-TP = 2 is simulated on CPU with ONE process holding one shard of width V/2 and a size-1 group:
-the per-rank work of every variant is its passes over the [N, V/2] shard, which this measures
-exactly; the collectives (2 small all-reduces of [N, 2] and [N, S+6] for the op, 3 of [N] for
-CE) are tiny next to that and are not simulated (Megatron's CE runs its all-reduces on a real
-world-1 gloo group; our op skips them for size 1). The gather baseline materializes the full
-vocabulary exactly as TP = 2 would after an all-gather.
+Inputs (benchmarks/bench_inputs.py): `realistic` = what RL feeds the op (support = top-K of a
+behaviour distribution near the policy, sampled tokens drawn from the policy, behaviour
+log-probs from that distribution), `random` = the earlier random-support inputs. The logits are
+a non-leaf (`base * w` with a scalar leaf w, made outside the timed region), as inside Megatron,
+and the gradient is taken with torch.autograd.grad(loss, logits): no AccumulateGrad copy for
+any variant. Loss = sum of the per-token CE (resp. sum of log pi_k), gradient of ones.
 
-Peak memory: each variant runs in a fresh spawned process; we read the RSS after the inputs are
-allocated and the process's high-water mark (resource.getrusage ru_maxrss) after one fwd+bwd, and
-report the difference ("extra peak" over the inputs). tracemalloc does not see torch's allocator,
-and the CPU caching allocator never shrinks ru_maxrss, so the first iteration gives the peak.
-Times are medians over --reps rounds after one warm-up round, measured in one process where the
-variants alternate within each round (so load from other jobs on a shared box hits all alike);
-inputs are re-cloned outside the timed region (Megatron's CE overwrites fp32 logits in place).
-The logits are a leaf tensor here, so autograd's AccumulateGrad copies any gradient that aliases
-them (CE's, and op_inplace's); inside Megatron the logits are not a leaf and that copy vanishes.
+One process holds rank 0's shard with a size-1 group: the per-rank work of every variant is its
+passes over the [N, V_local] shard, which this measures exactly; the collectives (the op's
+[N, 1] MAX and [N, S+3] SUM, CE's three [N] all-reduces) are tiny next to that and are not
+simulated (CE runs its all-reduces on a real world-1 gloo group; our op skips them for size 1).
+
+Timing: medians over --reps rounds after one warm-up round; the variants alternate within every
+round (load from other jobs on a shared machine hits all of them alike); fresh logits are made
+outside the timed region before every step (CE and op_inplace overwrite them). Threads:
+`--threads n` sets OMP_NUM_THREADS and torch.set_num_threads(n) before torch starts.
+Peak memory: each variant runs once in a fresh spawned process that loads the same inputs; the
+peak RSS (VmHWM, reset through /proc/self/clear_refs once the inputs and the logits exist) minus
+the RSS at that point is the "extra peak" a variant needs over its inputs.
 
 Usage:
-  python benchmarks/bench_op.py                      # N=4096, V=151936, TP=2, fp32 (minutes)
-  python benchmarks/bench_op.py --tokens 512 --reps 3 --dtype bf16
+  python benchmarks/bench_op.py --tokens 2048 --vocab-local 75968 --threads 1
+  python benchmarks/bench_op.py --tokens 8192 --vocab-local 37984 --tp 4 --dtype bf16 \
+      --inputs realistic,random --threads 2 --json results.jsonl
 """
 
 from __future__ import annotations
 
-import argparse
 import os
+import sys
+
+
+def _early_threads() -> None:
+    """OMP_NUM_THREADS must be set before torch is imported (it sizes the OpenMP pool)."""
+    for i, arg in enumerate(sys.argv):
+        value = None
+        if arg == "--threads" and i + 1 < len(sys.argv):
+            value = sys.argv[i + 1]
+        elif arg.startswith("--threads="):
+            value = arg.split("=", 1)[1]
+        if value and value != "0":
+            os.environ["OMP_NUM_THREADS"] = value
+            os.environ["MKL_NUM_THREADS"] = value
+
+
+_early_threads()
+
+import argparse
+import json
 import resource
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import psutil
 import torch
 import torch.multiprocessing as mp
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_inputs import describe, make_inputs
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def _inputs(n, vocab, tp, k, dtype):
-    g = torch.Generator().manual_seed(0)
-    vl = vocab // tp
-    shard = (torch.randn(n, vl, generator=g) * 3).to(dtype)
-    other = (torch.randn(n, vl, generator=g) * 3).to(dtype)
-    top = torch.stack([torch.randperm(vl, generator=g)[:k] for _ in range(min(n, 64))])
-    top = top.repeat((n + 63) // 64, 1)[:n]
-    sampled = top[:, 0].clone()
-    ids = torch.cat([top, torch.zeros(n, 1, dtype=torch.long)], 1).to(torch.int32)
-    valid = torch.ones_like(ids, dtype=torch.bool)
-    valid[:, -1] = False  # sampled token inside the top-K
-    logprobs = torch.full(ids.shape, -4.0)
-    return shard, other, sampled, ids, logprobs, valid
+VARIANTS = ("ce", "op_inplace", "op", "gather")
 
 
 def _setup_megatron_ce():
     import torch.distributed as dist
     from megatron.core.tensor_parallel import cross_entropy as ce_mod
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29533")
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", rank=0, world_size=1)
+    if not dist.is_initialized():  # an in-process store: no port to collide with other jobs
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     # World-1 TP group without initializing all of Megatron's parallel state.
     ce_mod.get_tensor_model_parallel_group = lambda *a, **kw: dist.group.WORLD
     ce_mod.get_tensor_model_parallel_rank = lambda *a, **kw: 0
@@ -75,102 +86,168 @@ def _setup_megatron_ce():
     return ce_mod.vocab_parallel_cross_entropy
 
 
-def _step_fn(variant, shard, other, sampled, ids, logprobs, valid):
+def _step_fn(variant: str, inp: dict):
+    """step(x) -> gradient w.r.t. the non-leaf logits x (kept alive by the caller)."""
     import megatron_pdm as pdm
 
+    sampled, ids, lp, valid = inp["sampled"], inp["ids"], inp["logprobs"], inp["valid"]
     if variant == "ce":
         ce = _setup_megatron_ce()
 
         def step(x):
-            loss = ce(x, sampled)
-            loss.sum().backward()
+            loss = ce(x, sampled).sum()
+            return torch.autograd.grad(loss, x)[0]
 
         return step
     if variant in ("op", "op_inplace"):
         inplace = variant == "op_inplace"
+        # rank 0's shard alone: ids of the other ranks' shards (>= V_local) are not owned here,
+        # exactly as on rank 0 of a real group (validate=False: the adapter's setting)
+        vocab = inp["shard"].shape[1]
 
         def step(x):
-            stats = pdm.token_stats(x, sampled, ids, logprobs, valid, vocab_size=x.shape[1],
-                                    inplace=inplace)
-            stats.logprob.sum().backward()
+            stats = pdm.token_stats(x, sampled, ids, lp, valid, vocab_size=vocab,
+                                    validate=False, inplace=inplace)
+            return torch.autograd.grad(stats.logprob.sum(), x)[0]
 
         return step
+    if variant == "gather":
+        other = inp["other"]
 
-    def step(x):
-        full = torch.cat([x, other], dim=1)  # what an all-gather of the TP shards produces
-        logp = torch.log_softmax(full.float(), dim=-1)
-        logp.gather(1, sampled[:, None]).sum().backward()
+        def step(x):
+            full = torch.cat([x, other], dim=1)  # what an all-gather of the TP shards produces
+            logp = torch.log_softmax(full.float(), dim=-1)
+            return torch.autograd.grad(logp.gather(1, sampled[:, None]).sum(), x)[0]
 
-    return step
-
-
-def _peak_memory(_, variant, n, vocab, tp, k, dtype_name, queue):
-    """Fresh process: extra RSS high-water of one fwd+bwd over the allocated inputs."""
-    if os.environ.get("BENCH_THREADS"):
-        torch.set_num_threads(int(os.environ["BENCH_THREADS"]))
-    shard, other, sampled, ids, logprobs, valid = _inputs(n, vocab, tp, k, DTYPES[dtype_name])
-    step = _step_fn(variant, shard, other, sampled, ids, logprobs, valid)
-    x = shard.clone().requires_grad_()
-    base_rss = psutil.Process().memory_info().rss
-    step(x)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    queue.put((variant, max(0, peak - base_rss)))
+        return step
+    raise ValueError(f"unknown variant {variant!r}; choose from {VARIANTS}")
 
 
-def _timings(variants, n, vocab, tp, k, dtype_name, reps) -> dict[str, float]:
-    """Medians over `reps` rounds; variants alternate within a round, so background load on a
-    shared machine affects all of them alike."""
-    shard, other, sampled, ids, logprobs, valid = _inputs(n, vocab, tp, k, DTYPES[dtype_name])
-    steps = {v: _step_fn(v, shard, other, sampled, ids, logprobs, valid) for v in variants}
+def _fresh_logits(base: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return base * w  # a non-leaf [N, Vl] tensor with the values of `base`
+
+
+def _rss() -> int:
+    return psutil.Process().memory_info().rss
+
+
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _peak_memory(_, variant: str, path: str, threads: int, queue) -> None:
+    """Fresh process: extra peak RSS of one fwd+bwd over the inputs and the logits."""
+    if threads:
+        torch.set_num_threads(threads)
+    inp = torch.load(path)
+    step = _step_fn(variant, inp)
+    w = torch.ones((), dtype=inp["shard"].dtype, requires_grad=True)
+    x = _fresh_logits(inp["shard"], w)
+    base = _rss()
+    if not _reset_peak():
+        raise RuntimeError("cannot reset the peak RSS (/proc/self/clear_refs)")
+    grad = step(x)
+    peak = _peak_rss()
+    del grad
+    queue.put((variant, max(0, peak - base)))
+
+
+def _timings(variants, inp, reps: int) -> dict[str, list[float]]:
+    steps = {v: _step_fn(v, inp) for v in variants}
+    w = torch.ones((), dtype=inp["shard"].dtype, requires_grad=True)
     times: dict[str, list[float]] = {v: [] for v in variants}
     for round_ in range(reps + 1):  # round 0 is the warm-up
         for v, step in steps.items():
-            x = shard.clone().requires_grad_()
+            x = _fresh_logits(inp["shard"], w)
             t0 = time.perf_counter()
-            step(x)
+            grad = step(x)
+            dt = time.perf_counter() - t0
             if round_:
-                times[v].append(time.perf_counter() - t0)
-            del x
-    return {v: statistics.median(t) for v, t in times.items()}
+                times[v].append(dt)
+            del grad, x
+    return times
+
+
+def run(args, kind: str) -> list[dict]:
+    dtype = DTYPES[args.dtype]
+    variants = args.variants.split(",")
+    inp = make_inputs(kind, args.tokens, args.vocab_local, args.tp, args.top_k, dtype,
+                      seed=args.seed, other="gather" in variants)
+    facts = describe(inp)
+    memory: dict[str, float] = {}
+    if not args.no_memory:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "inputs.pt")
+            torch.save(inp, path)
+            ctx = mp.get_context("spawn")
+            queue = ctx.Queue()
+            for variant in variants:
+                mp.start_processes(_peak_memory, args=(variant, path, args.threads, queue),
+                                   nprocs=1, join=True, start_method="spawn")
+                name, mem = queue.get()
+                memory[name] = mem
+    times = _timings(variants, inp, args.reps)
+    med = {v: statistics.median(t) for v, t in times.items()}
+    rows = []
+    for v in variants:
+        rows.append(dict(
+            inputs=kind, variant=v, dtype=args.dtype, tokens=args.tokens,
+            vocab_local=args.vocab_local, tp=args.tp, top_k=args.top_k,
+            threads=torch.get_num_threads(), reps=args.reps, median_s=med[v],
+            times_s=times[v], vs_ce=med[v] / med["ce"] if "ce" in med else float("nan"),
+            extra_peak_mib=memory.get(v, float("nan")) / 2**20,
+            mem_vs_ce=(memory[v] / memory["ce"]) if memory.get("ce") else float("nan"),
+            **facts))
+    return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--vocab", type=int, default=151936)
-    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--vocab-local", type=int, default=75968,
+                    help="V_local: 75968 = Qwen3 (151936) at TP 2, 37984 at TP 4")
+    ap.add_argument("--tp", type=int, default=2, help="TP size (V = V_local * tp)")
     ap.add_argument("--top-k", type=int, default=20)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    ap.add_argument("--inputs", default="realistic,random", help="realistic and/or random")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--variants", default="ce,op,op_inplace,gather")
+    ap.add_argument("--variants", default="ce,op_inplace,op")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-memory", action="store_true", help="skip the peak-RSS processes")
+    ap.add_argument("--json", default=None, help="append one JSON line per row to this file")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-        os.environ["BENCH_THREADS"] = str(args.threads)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    variants = args.variants.split(",")
-    memory = {}
-    for variant in variants:
-        mp.start_processes(
-            _peak_memory,
-            args=(variant, args.tokens, args.vocab, args.tp, args.top_k, args.dtype, queue),
-            nprocs=1, join=True, start_method="spawn",
-        )
-        name, mem = queue.get()
-        memory[name] = mem
-    medians = _timings(variants, args.tokens, args.vocab, args.tp, args.top_k, args.dtype,
-                       args.reps)
-    results = {v: (medians[v], memory[v]) for v in variants}
-    print(f"N={args.tokens} V={args.vocab} TP={args.tp} (shard {args.vocab // args.tp}) "
-          f"K={args.top_k} dtype={args.dtype} threads={torch.get_num_threads()} reps={args.reps}")
-    print("| variant | fwd+bwd median (s) | vs CE | extra peak RSS (MiB) | vs CE |")
-    print("|---|---|---|---|---|")
-    t_ce, m_ce = results.get("ce", (float("nan"), float("nan")))
-    for name, (t, mem) in results.items():
-        print(f"| {name} | {t:.3f} | {t / t_ce:.2f}x | {mem / 2**20:.0f} | "
-              f"{(mem / m_ce if m_ce else float('nan')):.2f}x |")
+    print(f"N={args.tokens} V_local={args.vocab_local} (V={args.vocab_local * args.tp}, "
+          f"TP={args.tp}) K={args.top_k} dtype={args.dtype} threads={torch.get_num_threads()} "
+          f"reps={args.reps}")
+    print("| inputs | variant | fwd+bwd median (s) | vs CE | extra peak RSS (MiB) | vs CE |")
+    print("|---|---|---|---|---|---|")
+    for kind in args.inputs.split(","):
+        rows = run(args, kind)
+        for r in rows:
+            print(f"| {kind} | {r['variant']} | {r['median_s']:.3f} | {r['vs_ce']:.2f}x | "
+                  f"{r['extra_peak_mib']:.0f} | {r['mem_vs_ce']:.2f}x |", flush=True)
+        print(f"<!-- {kind}: row max in support {rows[0]['row_max_in_support']:.3f}, sampled "
+              f"token in top-K {rows[0]['sampled_in_top_k']:.3f} -->", flush=True)
+        if args.json:
+            with open(args.json, "a") as f:
+                for r in rows:
+                    f.write(json.dumps(r) + "\n")
 
 
 if __name__ == "__main__":

@@ -150,23 +150,34 @@ def masked_columns(
     return MaskedColumns(idx_NM, owned_NM, z_NM)
 
 
+def _write_columns(real_NV: torch.Tensor, cols: MaskedColumns, src_NM: torch.Tensor) -> None:
+    """real[row, idx[row, m]] = src[row, m]; callers make all writes to one column agree, so the
+    result does not depend on the write order (CPU or GPU). fp32/fp64 use scatter_; bf16/fp16
+    use index_put_ (CPU scatter_ on reduced-precision dtypes copies the whole tensor)."""
+    if real_NV.shape[1] == 0 or real_NV.shape[0] == 0:
+        return
+    if real_NV.dtype in (torch.float32, torch.float64):
+        real_NV.scatter_(1, cols.idx_NM, src_NM)
+    else:
+        rows_NM = torch.arange(real_NV.shape[0], device=real_NV.device)[:, None].expand_as(
+            cols.idx_NM)
+        real_NV.index_put_((rows_NM, cols.idx_NM), src_NM)
+
+
 def mask_columns(real_NV: torch.Tensor, cols: MaskedColumns) -> None:
     """Sets the owned masked columns of the real shard to -inf, in place.
 
-    A min-scatter: slots that are not owned point at column 0 with +inf, which leaves any value
-    unchanged, so duplicate targets agree (no write-order dependence, CPU or GPU)."""
-    if real_NV.shape[1] == 0 or real_NV.shape[0] == 0:
-        return
-    src_NM = torch.full_like(cols.z_NM, torch.inf).masked_fill_(cols.owned_NM, -torch.inf)
-    real_NV.scatter_reduce_(1, cols.idx_NM, src_NM, reduce="amin")
+    Slots that are not owned point at column 0; they write column 0's own value (its gathered
+    original, or -inf when column 0 is itself masked in that row), so duplicate targets agree."""
+    col0_masked_N1 = (cols.owned_NM & (cols.idx_NM == 0)).any(-1, keepdim=True)
+    src_NM = cols.z_NM.masked_fill(cols.owned_NM | col0_masked_N1, -torch.inf)
+    _write_columns(real_NV, cols, src_NM)
 
 
 def restore_columns(real_NV: torch.Tensor, cols: MaskedColumns) -> None:
     """Writes the gathered logits back: bit-exact undo of `mask_columns` (every write to a
     column carries that column's original value, so duplicate targets agree)."""
-    if real_NV.shape[1] == 0 or real_NV.shape[0] == 0:
-        return
-    real_NV.scatter_(1, cols.idx_NM, cols.z_NM)
+    _write_columns(real_NV, cols, cols.z_NM)
 
 
 def shard_tail_max(real_NV: torch.Tensor, temperature: float, work: torch.dtype) -> torch.Tensor:
