@@ -99,6 +99,25 @@ def first(mask: np.ndarray) -> int:
     return int(np.flatnonzero(mask)[0])
 
 
+def check_topk_values(lp_tk: np.ndarray, present_tk: np.ndarray, sample_index: int) -> np.ndarray:
+    """Valid mask of engine top-K entries: -inf (probability 0) becomes an invalid slot; NaN or
+    +inf on a present entry is an error in every transport (JSON, flat, scoring).
+
+    Args:
+        lp_tk: [T, K] logprobs. present_tk: [T, K] bool, entries the engine returned.
+
+    Returns:
+        [T, K] bool valid mask.
+    """
+    bad_tk = present_tk & (np.isnan(lp_tk) | np.isposinf(lp_tk))
+    if bad_tk.any():
+        p = first(bad_tk)
+        value = lp_tk[p][bad_tk[p]][0]
+        raise RolloutValidationError(f"top-K logprob {value} (NaN, +inf or null)", sample_index,
+                                     p)
+    return present_tk & ~np.isneginf(lp_tk)
+
+
 def sort_rank_order(ids_tk: np.ndarray, lp_tk: np.ndarray, valid_tk: np.ndarray):
     """Puts each row in descending-logprob order with invalid slots last (no-op when sorted)."""
     key_tk = np.where(valid_tk, lp_tk, -np.inf)

@@ -53,27 +53,63 @@ class RolloutEngine(Protocol):
         ...
 
 
+# Sampling params that change the logits before sampling (penalties, logit bias, grammar masks,
+# forced minimum length, custom processors, watermarks): with any of them the engine's returned
+# logprobs are those of the modified distribution, which the trainer cannot reproduce from the
+# policy logits, so the behaviour policy is not the policy's tempered softmax. SGLang applies them
+# in `SamplingBatchInfo.apply_logits_bias` before the sampler (sampling_batch_info.py:426-449,
+# model_runner.py:2093 (0.5.23)); "min_tokens" is vLLM's name for min_new_tokens. Neutral values
+# (0, 1.0, None, empty) are accepted.
+LOGIT_MODIFIERS: dict[str, object] = {
+    "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+    "min_new_tokens": 0, "min_tokens": 0, "logit_bias": None, "json_schema": None,
+    "regex": None, "ebnf": None, "structural_tag": None, "custom_params": None,
+    "custom_logit_processor": None, "watermark": None, "beam_width": None,
+}
+
+
+def _is_neutral(key: str, value, neutral) -> bool:
+    if value is None or (isinstance(value, (dict, list, str)) and not value):
+        return True
+    if isinstance(neutral, float):
+        return float(value) == neutral
+    if isinstance(neutral, int):
+        return int(value) == neutral
+    return False
+
+
 def check_sampling_params(params: dict, allow_truncated_sampling: bool = False) -> float:
     """Refuses sampling settings under which returned logprobs are not the sampling policy.
 
     SGLang (and `LocalEngine`) return `log_softmax(logits / temperature)` before top-k / top-p /
     min-p truncation, so with truncation the true behavior policy is the truncated, renormalized
-    distribution and the returned top-K is wrong for it (docs/engines.md, SGLang).
+    distribution and the returned top-K is wrong for it (docs/engines.md, SGLang). Penalties,
+    logit bias, grammars, min_new_tokens, custom logit processors and watermarks (`LOGIT_MODIFIERS`)
+    are refused always: they make the behaviour distribution something the policy's logits do not
+    give.
 
     Args:
         params: SGLang-style sampling params.
-        allow_truncated_sampling: Accept truncation anyway (the caller handles the mismatch).
+        allow_truncated_sampling: Accept top-p / top-k / min-p truncation anyway (the caller
+            handles the mismatch); never accepts the logit modifiers.
 
     Returns:
         The temperature (default 1.0).
 
     Raises:
-        SamplingParamsError: On top_p < 1, top_k not in (-1, None, 0), min_p > 0 or a negative
-            temperature, unless allowed.
+        SamplingParamsError: On a logit modifier with a non-neutral value, a negative or
+            non-finite temperature, or (unless allowed) top_p < 1, top_k not in (-1, None, 0),
+            min_p > 0.
     """
     temperature = float(params.get("temperature", 1.0))
-    if temperature < 0:
-        raise SamplingParamsError(f"temperature must be >= 0, got {temperature}")
+    if not temperature >= 0 or temperature == float("inf"):
+        raise SamplingParamsError(f"temperature must be finite and >= 0, got {temperature}")
+    modified = [f"{k}={params[k]!r}" for k, neutral in LOGIT_MODIFIERS.items()
+                if k in params and not _is_neutral(k, params[k], neutral)]
+    if modified:
+        raise SamplingParamsError(
+            "sampling params " + ", ".join(modified) + " change the logits before sampling: the "
+            "returned logprobs would be those of a distribution the policy does not give")
     problems = []
     top_p = params.get("top_p", 1.0)
     if top_p is not None and float(top_p) < 1.0:

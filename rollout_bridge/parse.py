@@ -30,6 +30,7 @@ import numpy as np
 
 from rollout_bridge.decode import (
     MalformedResponseError,
+    check_topk_values,
     first,
     floats,
     folded_support,
@@ -154,14 +155,9 @@ def parse_response_object(obj: Any, top_logprobs: int, vocab_size: int | None = 
             raise RolloutValidationError(
                 f"length mismatch: output_top_logprobs has {len(top)} positions, "
                 f"output_token_logprobs {t}", sample_index, min(len(top), t))
-        ids_tk, lp_tk, valid_tk, stats = _parse_top(top, t, top_logprobs, sample_index)
-        if np.isnan(lp_tk).any():
-            p = first(np.isnan(lp_tk))
-            raise RolloutValidationError("NaN or null top-K logprob", sample_index, p)
-        neg_inf_tk = valid_tk & np.isneginf(lp_tk)
-        stats["num_neg_inf_slots"] = int(neg_inf_tk.sum())
-        if stats["num_neg_inf_slots"]:
-            valid_tk = valid_tk & ~neg_inf_tk
+        ids_tk, lp_tk, present_tk, stats = _parse_top(top, t, top_logprobs, sample_index)
+        valid_tk = check_topk_values(lp_tk, present_tk, sample_index)
+        stats["num_neg_inf_slots"] = int((present_tk & ~valid_tk).sum())
         ids_tk, lp_tk, valid_tk = sort_rank_order(ids_tk, lp_tk, valid_tk)
     else:
         ids_tk = np.zeros((t, 0), dtype=np.int64)

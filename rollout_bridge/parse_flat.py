@@ -15,7 +15,7 @@ import torch
 
 from rollout_bridge.decode import (
     MalformedResponseError,
-    first,
+    check_topk_values,
     floats,
     folded_support,
     gc_paused,
@@ -42,18 +42,18 @@ def flat_output_top(meta: dict, t: int, top_logprobs: int, sample_index: int
     kk = min(k, top_logprobs)
     ids_tk = np.zeros((t, top_logprobs), dtype=np.int64)
     lp_tk = np.full((t, top_logprobs), -np.inf, dtype=np.float32)
+    present_tk = np.zeros((t, top_logprobs), dtype=bool)
     ids_tk[null_prefix:, :kk] = idx_rk[:, :kk]
     lp_tk[null_prefix:, :kk] = vals_rk[:, :kk]
-    if np.isnan(lp_tk).any():
-        p = first(np.isnan(lp_tk))
-        raise RolloutValidationError("NaN top-K logprob", sample_index, p)
-    valid_tk = np.isfinite(lp_tk)
+    present_tk[null_prefix:, :kk] = True
+    # -inf -> invalid slot; NaN and +inf are errors, exactly as on the JSON path
+    valid_tk = check_topk_values(lp_tk, present_tk, sample_index)
     short = null_prefix + (rows if k < top_logprobs else 0)
     stats = {"num_short_positions": short,
              "num_missing_topk_slots": int(null_prefix * top_logprobs
                                            + rows * max(0, top_logprobs - k)),
              "num_truncated_positions": rows if k > top_logprobs else 0,
-             "num_neg_inf_slots": int(np.isneginf(vals_rk[:, :kk]).sum())}
+             "num_neg_inf_slots": int((present_tk & ~valid_tk).sum())}
     ids_tk, lp_tk, valid_tk = sort_rank_order(ids_tk, lp_tk, valid_tk)
     return ids_tk, lp_tk, valid_tk, stats
 
@@ -111,60 +111,73 @@ def decode_flat_topk(meta: dict, sample_index: int = 0, side: str = "input"
 
 
 def scoring_rows(prompt_len: int, num_response: int, logprob_start_len: int,
-                 null_prefix: int) -> np.ndarray:
+                 null_prefix: int, sample_index: int | None = None) -> np.ndarray:
     """Flat-array rows that score the response tokens of a scoring request.
 
     The scoring request sends input_ids = prompt + response. Covered input positions start at
-    `logprob_start_len`; the first `null_prefix` covered positions have no row (position 0 has no
-    predictor). The row of input position q is the distribution of the token *at* q (computed
-    from the logits of q - 1), so response token t (input position prompt_len + t) is scored by
-    row prompt_len + t - logprob_start_len - null_prefix.
+    `logprob_start_len`; SGLang's first covered position always has no row (a null row at
+    `logprob_start_len`: input logprobs are `[None] + ...`, logprob_result_processor.py:38/66/80
+    (0.5.23)), counted by `null_prefix`. The row of input position q is the distribution of the
+    token *at* q (computed from the logits of q - 1), so response token t (input position
+    prompt_len + t) is scored by row prompt_len + t - logprob_start_len - null_prefix. The client
+    asks for logprob_start_len = prompt_len - 1, which with null_prefix 1 makes it row t.
 
     Returns:
         [T] int64 row indices.
+
+    Raises:
+        RolloutValidationError: the request does not cover the first response token.
     """
-    first = prompt_len - logprob_start_len - null_prefix
-    if first < 0:
-        raise ValueError(f"scoring request does not cover the response: prompt_len={prompt_len}, "
-                         f"logprob_start_len={logprob_start_len}, null_prefix={null_prefix}")
-    return first + np.arange(num_response, dtype=np.int64)
+    first_row = prompt_len - logprob_start_len - null_prefix
+    if first_row < 0:
+        raise RolloutValidationError(
+            f"scoring response does not cover the first response token: prompt_len="
+            f"{prompt_len}, logprob_start_len={logprob_start_len}, null_prefix={null_prefix} "
+            "(request logprob_start_len = len(prompt) - 1)", sample_index, 0)
+    return first_row + np.arange(num_response, dtype=np.int64)
 
 
 def parse_scoring_response(body: bytes | str | dict | list, samples: list[RolloutSample],
                            top_logprobs: int, vocab_size: int | None = None, *,
                            logprob_start_lens: list[int] | None = None,
-                           validate: bool = True) -> list[RolloutSample]:
+                           validate: bool = True,
+                           sample_indices: list[int] | None = None) -> list[RolloutSample]:
     """Attaches the flat base64 top-K of a scoring request to already parsed samples.
 
     The scoring request (one item per sample) is: input_ids = prompt + response,
-    `max_new_tokens=0`, `logprob_start_len=len(prompt)`, `top_logprobs_num=K`,
-    `return_flat_raw_top_logprobs_b64=true`. The sampled-token logprob stays the one from the
-    generation (`behavior_logprob`); it is folded into the prefill top-K as usual.
+    `max_new_tokens=0`, `logprob_start_len=len(prompt) - 1`, `top_logprobs_num=K`,
+    `return_flat_raw_top_logprobs(_b64)=true`. The sampled-token logprob stays the one from the
+    generation (`behavior_logprob`); it is folded into the prefill top-K as usual. Prompt-side
+    top-K is untempered in SGLang: only temperature 1 (or 0) gives one consistent distribution.
 
     Args:
         body: Scoring response (list for batched requests, in `samples` order).
         samples: Samples from the generation response; their `prompt_ids` must be set.
         top_logprobs: K (the flat shape's k must be >= K; extra columns are ignored).
         vocab_size: For validation.
-        logprob_start_lens: Per-sample logprob_start_len used (default: each prompt length).
+        logprob_start_lens: Per-sample logprob_start_len used (default: each prompt length - 1).
         validate: Check the support contract (`megatron_pdm.ops.support`).
+        sample_indices: Index of each sample in error messages (default: its list position).
 
     Returns:
         The same sample objects, with support_* replaced (shape [T, K+1]).
     """
     # decode and fold with the collector paused; the tree is released before it resumes
     with gc_paused():
-        _attach_scoring(body, samples, top_logprobs, vocab_size, logprob_start_lens, validate)
+        _attach_scoring(body, samples, top_logprobs, vocab_size, logprob_start_lens, validate,
+                        sample_indices)
     return samples
 
 
-def _attach_scoring(body, samples, top_logprobs, vocab_size, logprob_start_lens, validate) -> None:
+def _attach_scoring(body, samples, top_logprobs, vocab_size, logprob_start_lens, validate,
+                    sample_indices) -> None:
     obj = loads(body) if isinstance(body, (bytes, bytearray, memoryview, str)) else body
     objs = obj if isinstance(obj, list) else [obj]
     if len(objs) != len(samples):
         raise MalformedResponseError(f"scoring response has {len(objs)} items for "
                                      f"{len(samples)} samples")
-    for i, (o, sample) in enumerate(zip(objs, samples)):
+    for pos, (o, sample) in enumerate(zip(objs, samples)):
+        i = pos if sample_indices is None else int(sample_indices[pos])
         if not isinstance(o, dict) or not isinstance(o.get("meta_info"), dict):
             raise MalformedResponseError("not a /generate response object", i)
         vals_rk, idx_rk, null_prefix = decode_flat_topk(o["meta_info"], i)
@@ -172,15 +185,15 @@ def _attach_scoring(body, samples, top_logprobs, vocab_size, logprob_start_lens,
             raise RolloutValidationError(f"flat top-K has k={idx_rk.shape[1]} < {top_logprobs}", i)
         p = int(sample.prompt_ids.shape[0])
         t = sample.num_tokens
-        start = p if logprob_start_lens is None else int(logprob_start_lens[i])
-        rows_t = scoring_rows(p, t, start, null_prefix)
+        start = p - 1 if logprob_start_lens is None else int(logprob_start_lens[pos])
+        rows_t = scoring_rows(p, t, start, null_prefix, i)
         if t and rows_t[-1] >= vals_rk.shape[0]:
             raise RolloutValidationError(
                 f"flat top-K has {vals_rk.shape[0]} rows, response needs {rows_t[-1] + 1}", i,
                 int(vals_rk.shape[0] - rows_t[0]))
         ids_tk = idx_rk[rows_t, :top_logprobs]
         lp_tk = vals_rk[rows_t, :top_logprobs]
-        valid_tk = np.isfinite(lp_tk) | np.isnan(lp_tk)  # -inf -> invalid; NaN -> error below
+        valid_tk = check_topk_values(lp_tk, np.ones(lp_tk.shape, dtype=bool), i)
         ids_tk, lp_tk, valid_tk = sort_rank_order(ids_tk, lp_tk, valid_tk)
         sampled_ids = sample.response_ids.numpy()
         sampled_lp = sample.behavior_logprob.numpy().astype(np.float64)

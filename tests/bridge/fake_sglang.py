@@ -1,16 +1,32 @@
-"""A real HTTP server speaking SGLang's native protocol, backed by `LocalEngine`, for tests.
+"""A real HTTP server that answers like SGLang's, backed by `LocalEngine`, for tests.
 
-What: aiohttp app on 127.0.0.1 (free port) in a background thread implementing /generate (nested
-`[logprob, id, null]` triples, batch -> list, the SGLang shapes of docs/engines.md), the flat
-base64 prompt-side top-K of scoring requests, /health, /get_model_info, /get_weight_version,
-/pause_generation, /continue_generation, /update_weights_from_disk (safetensors into the engine),
-/update_weights_from_tensor, the distributed-update endpoints, plus per-request fault injection.
+What: aiohttp app on 127.0.0.1 (free port) in a background thread, serving exactly the routes
+our client uses (`rollout_bridge.sglang_http.ROUTES`, each checked to exist in the installed
+sglang 0.5.22/0.5.23 by tests/sglang_api) plus `/get_model_info`; anything else is 404
+`{"detail": "Not Found"}` like SGLang's FastAPI app (so `/get_weight_version`, gone since
+0.5.21, is 404 here too). Nothing in it is written from memory:
+  * response bodies are built by `sglang_format` (SGLang's formatting, compared against the
+    installed sglang's TokenizerManager by tests/sglang_api and replayed from captured fixtures by
+    test_bridge_fixtures.py): `{"output_ids", "meta_info"}` without "text"
+    (`--skip-tokenizer-init`), prompt-side rows starting with a null row at `logprob_start_len`;
+  * requests are checked by `sglang_rules` (the same table goes through the real handler in
+    tests/sglang_api): 400 with SGLang's three error shapes, 401 `{"error": "Unauthorized"}`
+    without the API key (every route but /health, /ready, /metrics), the weight-update session
+    (update_weights_from_distributed / _tensor outside begin/end -> 400 `success: false`);
+  * weights arrive over a real gloo/NCCL group (`sglang_receiver`: sglang's own WeightUpdater when
+    the sglang env is on the path, else its plain-torch restatement), and are loaded into the
+    engine's model; `served_state` keeps every tensor as received (what SGLang's
+    `model.load_weights` gets), `served_digest()` hashes it.
 
-Why: the client's retry/bookkeeping logic and the parser must be exercised against real sockets,
-real timeouts and real malformed bytes, without a GPU or the sglang package.
+Why: the client's retry/bookkeeping logic, the parser and the weight sync must be exercised
+against real sockets, real timeouts, real malformed bytes and a real broadcast group, without a
+GPU.
 
 Faults: `server.fault_fn(body, call_no) -> Fault | None` is called for every /generate request.
 `parse_rid` recovers (prompt, sample, attempt) from the client's request ids.
+
+CLI (the driver tests start it as a process): `python tests/bridge/fake_sglang.py --hf-dir DIR
+--port-file F [--log-file L] [--api-key-env VAR] [--receiver auto|mirror|sglang]`.
 """
 
 from __future__ import annotations
@@ -18,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import re
+import sys
 import threading
 import time
 import zlib
@@ -25,11 +42,17 @@ from collections.abc import Callable
 
 import numpy as np
 import orjson
-import pybase64
 import torch
 from aiohttp import web
 
-from rollout_bridge import LocalEngine
+sys.path.insert(0, __import__("os").path.dirname(__file__))
+
+import sglang_format as fmt  # noqa: E402
+import sglang_rules as rules  # noqa: E402
+
+from rollout_bridge import LocalEngine  # noqa: E402
+from rollout_bridge.sglang_http import ROUTES  # noqa: E402
+from rollout_bridge.weights import state_digest  # noqa: E402
 
 _RID = re.compile(r"-p(\d+)-s(\d+)-a(\d+)")
 
@@ -55,6 +78,7 @@ class Fault:
             finish_reason abort (partial output).
         ragged_items: Sample indices whose top-K lists are shortened at some positions.
         corrupt_items: Sample indices whose output_ids disagree with output_token_logprobs.
+        inf_items: Sample indices whose first top-K logprob is +inf.
     """
 
     kind: str | None = None
@@ -62,10 +86,7 @@ class Fault:
     abort_items: tuple[int, ...] = ()
     ragged_items: tuple[int, ...] = ()
     corrupt_items: tuple[int, ...] = ()
-
-
-def _triples(lp: list[float], ids: list[int]) -> list[list]:
-    return [[float(a), int(b), None] for a, b in zip(lp, ids)]
+    inf_items: tuple[int, ...] = ()
 
 
 class FakeSGLangServer:
@@ -73,20 +94,31 @@ class FakeSGLangServer:
 
     Args:
         engine: Engine used for generation and scoring.
-        model_path: Reported by /get_model_info.
-        report_vocab: Include "vocab_size" in /get_model_info.
+        model_path: Reported by /model_info.
+        api_key: Like SGLang's --api-key (None: no authentication).
+        receiver: "auto", "mirror" or "sglang" (sglang_receiver.make_receiver); created on the
+            first /init_weights_update_group.
+        tp_size: Reported by /server_info (one receiving rank per TP rank; only 1 is served).
     """
 
-    def __init__(self, engine: LocalEngine, model_path: str = "tiny-lm",
-                 report_vocab: bool = True):
+    def __init__(self, engine: LocalEngine, model_path: str = "tiny-lm", *,
+                 api_key: str | None = None, receiver: str = "auto", tp_size: int = 1,
+                 report_vocab: bool | None = None):
+        del report_vocab  # SGLang reports no vocabulary; kept for old callers
         self.engine = engine
         self.model_path = model_path
-        self.report_vocab = report_vocab
+        self.api_key = api_key
+        self.receiver_kind = receiver
+        self.receiver = None
+        self.tp_size = tp_size
         self.fault_fn: Callable[[dict, int], Fault | None] | None = None
         self.tensor_deserializer: Callable[[list[str]], dict] | None = None
         self.calls: list[tuple[str, dict]] = []
         self.num_generate = 0
         self.paused = False
+        self.session = rules.Session()
+        self.served_state: dict[str, torch.Tensor] = {}
+        self.unauthorized: list[str] = []
         self.deterministic_seeds = False
         """Seed every item by (prompt, sample index) instead of arrival order (reproducible
         rollouts under the client's concurrent requests)."""
@@ -121,15 +153,12 @@ class FakeSGLangServer:
         return self.url
 
     async def _start(self) -> None:
-        app = web.Application(client_max_size=1 << 28)
-        app.router.add_post("/generate", self._generate)
-        app.router.add_get("/health", self._health)
-        app.router.add_get("/get_model_info", self._model_info)
-        app.router.add_get("/get_weight_version", self._weight_version)
-        for name in ("pause_generation", "continue_generation", "update_weights_from_disk",
-                     "update_weights_from_tensor", "init_weights_update_group",
-                     "update_weights_from_distributed", "destroy_weights_update_group"):
-            app.router.add_post("/" + name, self._control)
+        app = web.Application(client_max_size=1 << 30, middlewares=[self._middleware])
+        handlers = {"generate": self._generate, "health": self._health,
+                    "model_info": self._model_info, "server_info": self._server_info}
+        for name, (method, path) in ROUTES.items():
+            app.router.add_route(method, path, handlers.get(name, self._control))
+        app.router.add_get("/get_model_info", self._model_info)  # deprecated alias in SGLang
         self._runner = web.AppRunner(app, handle_signals=False)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -141,6 +170,18 @@ class FakeSGLangServer:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(10)
 
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler):
+        if not rules.auth_ok(request.path, request.method, request.headers, self.api_key):
+            self.unauthorized.append(request.path)
+            return web.json_response(rules.Rejected("unauthorized", "").body, status=401)
+        try:
+            return await handler(request)
+        except web.HTTPNotFound:
+            return web.json_response({"detail": "Not Found"}, status=404)
+        except web.HTTPMethodNotAllowed:
+            return web.json_response({"detail": "Method Not Allowed"}, status=405)
+
     # ------------------------------------------------------------------ endpoints
 
     async def _health(self, request: web.Request) -> web.Response:
@@ -148,48 +189,136 @@ class FakeSGLangServer:
         return web.Response(status=200)
 
     async def _model_info(self, request: web.Request) -> web.Response:
-        self.calls.append(("get_model_info", {}))
-        info = {"model_path": self.model_path, "tokenizer_path": self.model_path,
-                "is_generation": True, "preferred_sampling_params": None,
-                "weight_version": self.engine.weight_version()}
-        if self.report_vocab:
-            info["vocab_size"] = self.engine.vocab_size
-        return web.json_response(info)
+        self.calls.append(("model_info", {}))
+        return web.json_response({
+            "model_path": self.model_path, "served_model_name": self.model_path,
+            "tokenizer_path": None, "is_generation": True, "preferred_sampling_params": None,
+            "weight_version": self.engine.weight_version(), "load_format": "auto",
+            "reasoning_parser": None, "tool_call_parser": None, "disaggregation_mode": "null",
+            "has_image_understanding": False, "has_audio_understanding": False,
+            "model_type": None, "architectures": None})
 
-    async def _weight_version(self, request: web.Request) -> web.Response:
-        self.calls.append(("get_weight_version", {}))
-        return web.json_response({"weight_version": self.engine.weight_version()})
+    async def _server_info(self, request: web.Request) -> web.Response:
+        self.calls.append(("server_info", {}))
+        # SGLang's answer is the resolved server args, the API key included
+        return web.json_response({"tp_size": self.tp_size, "dp_size": 1, "pp_size": 1,
+                                  "api_key": self.api_key, "skip_tokenizer_init": True})
 
     async def _control(self, request: web.Request) -> web.Response:
         name = request.path.strip("/")
-        body = await request.json() if request.can_read_body else {}
+        try:
+            body = await request.json() if request.can_read_body else {}
+        except ValueError:
+            return web.json_response(rules.Rejected("pydantic", "invalid JSON").body, status=400)
         self.calls.append((name, body))
+        try:
+            rules.check_control(name, body)
+        except rules.Rejected as rej:
+            if rej.shape == "refused":
+                return web.json_response({"success": False, "message": rej.message}, status=400)
+            return web.json_response(rej.body, status=rej.status)
+        loop = asyncio.get_running_loop()
+        ok, message, extra = await loop.run_in_executor(None, self._control_sync, name, body)
+        if name in ("pause_generation", "continue_generation"):
+            verb = "paused" if name == "pause_generation" else "continued"
+            return web.json_response({"message": f"Generation {verb} successfully.",
+                                      "status": "ok"})
+        if name in ("flush_cache", "release_memory_occupation", "resume_memory_occupation"):
+            return web.json_response(None)
+        return web.json_response({"success": ok, "message": message, **extra},
+                                 status=200 if ok else 400)
+
+    def _control_sync(self, name: str, body: dict) -> tuple[bool, str, dict]:
         if name == "pause_generation":
             self.paused = True
         elif name == "continue_generation":
             self.paused = False
+        elif name == "begin_weight_update":
+            return (*self.session.begin(), {})
+        elif name == "end_weight_update":
+            ok, msg = self.session.end()
+            if ok:
+                self._log_served()
+            return ok, msg, {}
         elif name == "update_weights_from_disk":
             try:
                 with self._lock:
+                    from rollout_bridge.weights import load_safetensors_dir
+
+                    state = load_safetensors_dir(body["model_path"])
                     self.engine.load_weights_from_disk(body["model_path"],
                                                        body.get("weight_version"))
+                    self.served_state = {k: v.clone() for k, v in state.items()}
+                    self._log_served()
             except Exception as exc:  # noqa: BLE001 - reported like SGLang does
-                return web.json_response({"success": False, "message": str(exc),
-                                          "num_paused_requests": 0}, status=400)
-        elif name == "update_weights_from_tensor":
-            if self.tensor_deserializer is None:
-                return web.json_response({"success": False, "message": "no deserializer"})
-            with self._lock:
-                self.engine.update_weights(
-                    self.tensor_deserializer(body["serialized_named_tensors"]),
-                    body.get("weight_version"))
+                return False, f"Failed to update weights: {exc}", {"num_paused_requests": 0}
+            return True, "Succeeded to update model weights.", {"num_paused_requests": 0}
+        elif name == "init_weights_update_group":
+            if self.receiver is None:
+                from sglang_receiver import make_receiver
+
+                self.receiver = make_receiver(self.receiver_kind)
+            ok, msg = self.receiver.init_group(
+                body["master_address"], body["master_port"], body["rank_offset"],
+                body["world_size"], body.get("group_name", "weight_update_group"),
+                backend=body.get("backend", "nccl"))
+            return ok, msg, {}
+        elif name == "destroy_weights_update_group":
+            if self.receiver is None:
+                return False, "The group to be destroyed does not exist.", {}
+            return (*self.receiver.destroy(body.get("group_name", "weight_update_group")), {})
         elif name == "update_weights_from_distributed":
-            with self._lock:  # the weights "arrive" by broadcast; only the version changes
-                self.engine._version = str(body.get("weight_version"))
-        return web.json_response({"success": True, "message": "ok", "num_paused_requests": 0})
+            refused = self.session.require("update_weights_from_distributed")
+            if refused:
+                return (*refused, {})
+            try:
+                named = self.receiver.receive(body["names"], body["dtypes"], body["shapes"],
+                                              body.get("group_name", "weight_update_group"),
+                                              body.get("load_format"))
+            except Exception as exc:  # noqa: BLE001
+                return False, f"Failed to receive weights: {exc}", {}
+            return self._load(named, body.get("weight_version"))
+        elif name == "update_weights_from_tensor":
+            refused = self.session.require("update_weights_from_tensor")
+            if refused:
+                return (*refused, {})
+            if self.tensor_deserializer is None:
+                return False, "no deserializer", {}
+            named = list(self.tensor_deserializer(body["serialized_named_tensors"]).items())
+            return self._load(named, body.get("weight_version"))
+        return True, "ok", {}
+
+    def _load(self, named, version) -> tuple[bool, str, dict]:
+        try:
+            with self._lock:
+                load_named(self.engine, named)
+                for k, v in named:
+                    self.served_state[k] = v.clone()
+                if version is not None:
+                    self.engine._version = str(version)
+        except Exception as exc:  # noqa: BLE001
+            return False, (f"Failed to update parameter online: {exc}. The full weights of the "
+                           "ModelRunner are partially updated. Please discard the whole weights."
+                           ), {}
+        msg = "Succeeded to update parameter online."
+        if version is not None:
+            msg += f" Weight version updated to {version}."
+        return True, msg, {}
+
+    def _log_served(self) -> None:
+        if self.served_state:
+            self.calls.append(("served", {"version": self.engine.weight_version(),
+                                          "digest": state_digest(self.served_state.items()),
+                                          "receiver": getattr(self.receiver, "kind", None)}))
+
+    def served_digest(self) -> str:
+        return state_digest(self.served_state.items())
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
-        body = orjson.loads(await request.read())
+        try:
+            body = orjson.loads(await request.read())
+        except orjson.JSONDecodeError:
+            return web.json_response(rules.Rejected("pydantic", "invalid JSON").body, status=400)
         self.num_generate += 1
         self.calls.append(("generate", body))
         fault = self.fault_fn(body, self.num_generate) if self.fault_fn else None
@@ -201,18 +330,14 @@ class FakeSGLangServer:
         if fault.kind == "http500":
             return web.Response(status=500, text="Internal Server Error")
         if fault.kind == "http400":
-            return web.json_response({"error": {"message": "bad request"}}, status=400)
+            return web.json_response(rules.Rejected("value", "bad request").body, status=400)
         if fault.kind == "drop":
             request.transport.close()
             raise asyncio.CancelledError()
-        if body.get("return_flat_raw_top_logprobs_b64") and not (
-                body.get("return_flat_raw_top_logprobs")
-                or body.get("return_flat_raw_output_top_logprobs")):
-            # SGLang's GenerateReqInput refuses this combination (io_struct, 0.5.23)
-            return web.json_response({"error": {"message": "return_flat_raw_top_logprobs_b64 "
-                                                 "requires return_flat_raw_top_logprobs or "
-                                                 "return_flat_raw_output_top_logprobs."}},
-                                     status=400)
+        try:
+            rules.check_generate(body, self.engine.vocab_size)
+        except rules.Rejected as rej:
+            return web.json_response(rej.body, status=rej.status)
         loop = asyncio.get_running_loop()
         out = await loop.run_in_executor(None, self._answer, body, fault)
         raw = orjson.dumps(out)
@@ -231,7 +356,6 @@ class FakeSGLangServer:
         rids = body.get("rid") or [f"req{i}" for i in range(len(items))]
         rids = [rids] if isinstance(rids, str) else rids
         params = body.get("sampling_params") or {}
-        k = int(body.get("top_logprobs_num") or 0)
         out = []
         for i, prompt in enumerate(items):
             start = time.perf_counter()
@@ -239,26 +363,22 @@ class FakeSGLangServer:
                 key = parse_rid(rids[i])[1]
             except ValueError:
                 key = i
-            if int(params.get("max_new_tokens", 16)) == 0:
-                obj = self._score(prompt, params, body, k)
+            if int(params.get("max_new_tokens", 128)) == 0:
+                obj = self._score(prompt, params, body, rids[i])
             else:
-                obj = self._one(prompt, params, k, key in fault.abort_items,
-                                key in fault.ragged_items, key in fault.corrupt_items,
-                                seed_key=key)
-                if k > 0 and body.get("return_flat_raw_output_top_logprobs"):
-                    _flatten_output_top(obj["meta_info"], k,
-                                        bool(body.get("return_flat_raw_top_logprobs_b64")))
-            obj["meta_info"]["id"] = rids[i]
-            obj["meta_info"]["e2e_latency"] = time.perf_counter() - start
-            out.append(obj)
+                obj = self._one(prompt, params, body, rids[i], fault, key)
+            out.append(fmt.response_object(obj[0], obj[1],
+                                           e2e_latency=time.perf_counter() - start,
+                                           sent_ts=time.time()))
         return out[0] if single else out
 
-    def _one(self, prompt: list[int], params: dict, k: int, abort: bool, ragged: bool,
-             corrupt: bool, seed_key: int = 0) -> dict:
-        gen_params = {key: v for key, v in params.items() if key != "n"}
+    def _one(self, prompt: list[int], params: dict, body: dict, rid: str, fault: Fault,
+             key: int) -> tuple[list[int], dict]:
+        k = int(body.get("top_logprobs_num") or 0)
+        gen_params = {p: v for p, v in params.items() if p != "n"}
         with self._lock:
             if self.deterministic_seeds:
-                self.engine._calls = zlib.crc32(repr((list(prompt), seed_key)).encode())
+                self.engine._calls = zlib.crc32(repr((list(prompt), key)).encode())
             saved_k = self.engine.top_logprobs
             self.engine.top_logprobs = max(k, 0)
             try:
@@ -268,101 +388,91 @@ class FakeSGLangServer:
         resp = s.response_ids.tolist()
         lp = s.behavior_logprob.tolist()
         t = len(resp)
-        finish = {"type": s.finish_reason}
-        finish.update({"matched": resp[-1]} if s.finish_reason == "stop" else {"length": t})
-        top = None
-        if k > 0:
-            # Reconstruct the engine's raw top-K (undo the folding of the sampled token).
-            top = []
-            ids_ts, lp_ts = s.support_ids.tolist(), s.support_logprobs.tolist()
-            for pos in range(t):
-                top.append(_triples(lp_ts[pos][:k], ids_ts[pos][:k]))
-        if abort:
+        finish = fmt.finish_stop(resp[-1]) if s.finish_reason == "stop" else fmt.finish_length(t)
+        # the engine's raw top-K (the first K slots of the folded support, invalid slots dropped)
+        ids_ts, lp_ts = s.support_ids.tolist(), s.support_logprobs.tolist()
+        top_v = [lp_ts[q][:k] for q in range(t)]
+        top_i = [ids_ts[q][:k] for q in range(t)]
+        if key in fault.abort_items:
             cut = t // 2
-            resp, lp, t = resp[:cut], lp[:cut], cut
-            top = top[:cut] if top is not None else None
-            finish = {"type": "abort", "message": "Abort before prefill"}
-        if ragged and top:
-            for pos in range(0, t, 3):
-                top[pos] = top[pos][: max(0, k - 1 - pos % 4)]
+            resp, lp, top_v, top_i, t = resp[:cut], lp[:cut], top_v[:cut], top_i[:cut], cut
+            finish = fmt.finish_abort()
+        if key in fault.ragged_items and k:
+            for q in range(0, t, 3):
+                keep = max(0, k - 1 - q % 4)
+                top_v[q], top_i[q] = top_v[q][:keep], top_i[q][:keep]
+        if key in fault.inf_items and k and t:
+            top_v[0] = [float("inf")] + top_v[0][1:]
         output_ids = list(resp)
-        if corrupt and t:
+        if key in fault.corrupt_items and t:
             output_ids[-1] = (output_ids[-1] + 1) % self.engine.vocab_size
-        meta = {"id": "", "finish_reason": finish, "prompt_tokens": len(prompt),
-                "completion_tokens": t, "cached_tokens": 0,
-                "weight_version": self.engine.weight_version(), "e2e_latency": 0.0,
-                "input_token_logprobs": [], "output_token_logprobs": _triples(lp, resp),
-                "output_token_logprobs_length": t}
-        if k > 0:
-            meta["input_top_logprobs"] = []
-            meta["output_top_logprobs"] = top
-        return {"text": "".join(f"<{x}>" for x in output_ids), "output_ids": output_ids,
-                "meta_info": meta}
+        meta = fmt.meta_info(rid=rid, finish_reason=finish, prompt_tokens=len(prompt),
+                             weight_version=self.engine.weight_version(), request=body,
+                             out_lp=lp, out_ids=resp, out_top_v=top_v, out_top_i=top_i,
+                             completion_tokens=t)
+        return output_ids, meta
 
-    def _score(self, input_ids: list[int], params: dict, body: dict, k: int) -> dict:
-        """Prefill-only request: prompt-side logprobs from logprob_start_len, flat b64 top-K."""
-        temperature = float(params.get("temperature", 1.0))
+    def _score(self, input_ids: list[int], params: dict, body: dict, rid: str
+               ) -> tuple[list[int], dict]:
+        """Prefill-only request: prompt rows from logprob_start_len (a null row first), the
+        untempered log_softmax like SGLang's prompt side (logprob_processor.py:734)."""
+        k = int(body.get("top_logprobs_num") or 0)
         with self._lock:
-            lp_lv = self.engine.score(input_ids, temperature)
+            lp_lv = self.engine.score(input_ids, 1.0)  # row q: distribution of token q+1
         start = body.get("logprob_start_len")
-        start = 0 if start is None or start < 0 else int(start)
         length = len(input_ids)
-        # Covered positions q = start..L-1; position q is scored by logits row q-1.
-        null_prefix = 1 if start == 0 else 0
-        rows_q = np.arange(start + null_prefix, length)
-        dist_rv = lp_lv[torch.as_tensor(rows_q - 1, dtype=torch.int64)]
-        tok = torch.as_tensor(input_ids, dtype=torch.int64)[torch.as_tensor(rows_q)]
-        tok_lp = dist_rv.gather(1, tok[:, None])[:, 0].tolist()
-        input_token_logprobs = [[None, input_ids[0], None]] * null_prefix + _triples(
-            tok_lp, tok.tolist())
-        meta = {"id": "", "finish_reason": {"type": "length", "length": 0},
-                "prompt_tokens": length, "completion_tokens": 0, "cached_tokens": 0,
-                "weight_version": self.engine.weight_version(), "e2e_latency": 0.0,
-                "input_token_logprobs": input_token_logprobs, "output_token_logprobs": []}
-        if k > 0:
-            vals_rk, idx_rk = torch.topk(dist_rv, k, dim=-1)
-            if body.get("return_flat_raw_top_logprobs_b64"):
-                meta.update({
-                    "input_top_logprobs_val_flat_b64": pybase64.b64encode(
-                        vals_rk.numpy().astype("<f4").tobytes()).decode(),
-                    "input_top_logprobs_idx_flat_b64": pybase64.b64encode(
-                        idx_rk.numpy().astype("<i4").tobytes()).decode(),
-                    "input_top_logprobs_val_flat_b64_dtype": "float32",
-                    "input_top_logprobs_idx_flat_b64_dtype": "int32",
-                    "input_top_logprobs_shape": [int(vals_rk.shape[0]), k],
-                    "input_top_logprobs_null_prefix": null_prefix})
-            else:
-                meta["input_top_logprobs"] = [None] * null_prefix + [
-                    _triples(v, i) for v, i in zip(vals_rk.tolist(), idx_rk.tolist())]
-        meta["output_top_logprobs"] = []
-        return {"text": "", "output_ids": [], "meta_info": meta}
+        start = length if start is None or start < 0 else int(start)
+        if start >= length:  # SGLang's scheduler aborts such a request (scheduler.py:3275)
+            meta = fmt.meta_info(rid=rid, finish_reason=fmt.finish_abort(
+                "logprob_start_len is larger than the input length"), prompt_tokens=length,
+                weight_version=self.engine.weight_version(), request=body)
+            return [], meta
+        tok = torch.as_tensor(input_ids, dtype=torch.int64)
+        row_vals, top_v, top_i = {}, {}, {}
+        for q in range(start + 1, length):
+            dist_v = lp_lv[q - 1]
+            row_vals[q] = float(dist_v[tok[q]])
+            if k:
+                vals, idx = torch.topk(dist_v, k)
+                top_v[q], top_i[q] = vals.tolist(), idx.tolist()
+        tv, ti, trv, tri = fmt.prompt_rows(input_ids, start, row_vals, None, top_v if k else None,
+                                           top_i if k else None)
+        meta = fmt.meta_info(rid=rid, finish_reason=fmt.finish_length(0), prompt_tokens=length,
+                             weight_version=self.engine.weight_version(), request=body,
+                             in_lp=tv, in_ids=ti, in_top_v=trv, in_top_i=tri)
+        return [], meta
 
 
-def _flatten_output_top(meta: dict, k: int, b64: bool) -> None:
-    """SGLang's `return_flat_raw_output_top_logprobs`: replaces the nested output top-K of a
-    finished response by [rows, k] arrays (base64 little-endian float32/int32 with `b64`), or
-    keeps the nested form when the rows are not rectangular (SGLang falls back the same way)."""
-    top = meta["output_top_logprobs"] or []
-    null_prefix = 0
-    while null_prefix < len(top) and not top[null_prefix]:
-        null_prefix += 1
-    rows = top[null_prefix:]
-    if any(row is None or len(row) != k for row in rows):
+def load_named(engine, named) -> None:
+    """Loads (name, tensor) pairs the way SGLang's `model.load_weights` gets them (HF names,
+    per-expert experts) into the fake's model: HF models (transformers 5 stores the experts
+    fused) get the per-expert tensors written into their fused parameters; other engines take
+    their own state-dict names."""
+    model = engine.model
+    if not hasattr(model, "config") or not hasattr(model.config, "num_experts"):
+        engine._load(dict(named), strict=True)
         return
-    vals = np.asarray([[e[0] for e in row] for row in rows], dtype="<f4").reshape(len(rows), k)
-    idx = np.asarray([[e[1] for e in row] for row in rows], dtype="<i4").reshape(len(rows), k)
-    del meta["output_top_logprobs"]
-    if b64:
-        meta.update({
-            "output_top_logprobs_val_flat_b64": pybase64.b64encode(vals.tobytes()).decode(),
-            "output_top_logprobs_idx_flat_b64": pybase64.b64encode(idx.tobytes()).decode(),
-            "output_top_logprobs_val_flat_b64_dtype": "float32",
-            "output_top_logprobs_idx_flat_b64_dtype": "int32"})
-    else:
-        meta.update({"output_top_logprobs_val_flat": vals.reshape(-1).tolist(),
-                     "output_top_logprobs_idx_flat": idx.reshape(-1).tolist()})
-    meta["output_top_logprobs_shape"] = [len(rows), k]
-    meta["output_top_logprobs_null_prefix"] = null_prefix
+    params = dict(model.named_parameters())
+    inter = model.config.moe_intermediate_size
+    pat = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.)(\d+)\.(gate|up|down)_proj\.weight$")
+    with torch.no_grad():
+        for name, tensor in named:
+            m = pat.match(name)
+            if m is None:
+                if name not in params:
+                    raise KeyError(f"unknown weight {name}")
+                dst = params[name]
+                if tuple(dst.shape) != tuple(tensor.shape):
+                    raise ValueError(f"{name}: shape {tuple(tensor.shape)} != {tuple(dst.shape)}")
+                dst.copy_(tensor.to(dst.dtype))
+                continue
+            prefix, e, kind = m.group(1), int(m.group(2)), m.group(3)
+            if kind == "down":
+                params[prefix + "down_proj"][e].copy_(tensor.to(params[prefix + "down_proj"].dtype))
+            else:
+                gu = params[prefix + "gate_up_proj"]
+                rows = slice(0, inter) if kind == "gate" else slice(inter, 2 * inter)
+                gu[e, rows].copy_(tensor.to(gu.dtype))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -394,8 +504,7 @@ class HFModelEngine(LocalEngine):
         self.model_path = model_path
         model = load_hf_causal_lm(model_path, dtype)
         super().__init__(model, vocab_size=model.config.vocab_size, top_logprobs=top_logprobs,
-                         seed=seed,
-                         eos_token_id=eos_token_id, max_batch_size=256,
+                         seed=seed, eos_token_id=eos_token_id, max_batch_size=256,
                          weight_version=weight_version)
         self.loaded_paths = [model_path]
 
@@ -414,20 +523,33 @@ class HFModelEngine(LocalEngine):
 
 
 def main(argv=None) -> None:
-    """`python tests/bridge/fake_sglang.py --hf-dir DIR --port-file F`: serve until killed."""
+    """Serve until SIGTERM/SIGINT; one JSON line per control call in --log-file."""
     import argparse
     import os
-    import sys
+    import signal
 
-    parser = argparse.ArgumentParser(description="fake SGLang server over an HF model dir")
-    parser.add_argument("--hf-dir", required=True)
+    parser = argparse.ArgumentParser(description="fake SGLang server (HF model dir or TinyLM)")
+    parser.add_argument("--hf-dir", default=None)
+    parser.add_argument("--tiny-lm", action="store_true", help="serve tests/bridge TinyLM")
     parser.add_argument("--port-file", required=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-file", default=None, help="append one JSON line per control call")
+    parser.add_argument("--api-key-env", default=None, help="env var holding --api-key")
+    parser.add_argument("--receiver", default="auto", choices=("auto", "mirror", "sglang"))
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    engine = HFModelEngine(args.hf_dir, seed=args.seed)
-    server = FakeSGLangServer(engine, model_path=args.hf_dir)
+    if args.tiny_lm:
+        from conftest import VOCAB, TinyLM
+
+        engine = LocalEngine(TinyLM(), vocab_size=VOCAB, top_logprobs=5, seed=args.seed,
+                             eos_token_id=3)
+        model_path = "tiny-lm"
+    else:
+        engine = HFModelEngine(args.hf_dir, seed=args.seed)
+        model_path = args.hf_dir
+    key = os.environ.get(args.api_key_env) if args.api_key_env else None
+    server = FakeSGLangServer(engine, model_path=model_path, api_key=key,
+                              receiver=args.receiver)
     server.deterministic_seeds = True
     server.start()
     tmp = args.port_file + ".tmp"
@@ -435,19 +557,28 @@ def main(argv=None) -> None:
         f.write(str(server.port))
     os.replace(tmp, args.port_file)
     print(f"fake SGLang server on {server.url}", flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *a: stop.set())
     seen = 0
+
+    def flush():
+        nonlocal seen
+        if args.log_file and len(server.calls) > seen:
+            with open(args.log_file, "a") as f:
+                for name, body in server.calls[seen:]:
+                    if name != "generate":
+                        f.write(orjson.dumps({"call": name, "body": body},
+                                             option=orjson.OPT_SERIALIZE_NUMPY).decode() + "\n")
+            seen = len(server.calls)
+
     try:
-        while True:
-            time.sleep(0.2)
-            if args.log_file and len(server.calls) > seen:
-                with open(args.log_file, "a") as f:
-                    for name, body in server.calls[seen:]:
-                        if name != "generate":
-                            f.write(orjson.dumps({"call": name, "body": body}).decode() + "\n")
-                seen = len(server.calls)
+        while not stop.wait(0.2):
+            flush()
     except KeyboardInterrupt:
-        server.stop()
-        sys.exit(0)
+        pass
+    flush()
+    server.stop()
+    os._exit(0)
 
 
 if __name__ == "__main__":

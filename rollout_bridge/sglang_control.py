@@ -1,0 +1,178 @@
+"""Health, identity and control of one or several SGLang servers (no generation, no weights).
+
+What `SGLangControl` does, per server (docs/engines.md, SGLang, for the file:line citations):
+  * `check_server`: GET /health (200 = a real one-token generation went through; 503 = starting,
+    shutting down or unhealthy), GET /model_info (`model_path`, `weight_version`). SGLang reports
+    no vocabulary size anywhere (/model_info, /server_info), so the vocabulary is checked against
+    the served checkpoint's config.json when `model_path` is a directory this process can read,
+    and is otherwise logged as unchecked. Every server must report the same weight version.
+  * `weight_version`: GET /model_info -> "weight_version". (`/get_weight_version` does not exist in
+    sglang 0.5.21+: 404.)
+  * `server_layout`: GET /server_info -> tp_size / dp_size / pp_size (the weight-update group needs
+    one rank per TP rank; SGLang refuses dp_size > 1 for it). The answer also holds the server's
+    own API key (`resolved_dict()` of its arguments), so nothing but these three numbers is kept.
+  * pause / continue, the weight-update session (begin/end), cache flush, memory release/resume,
+    all sent to every server concurrently.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+from rollout_bridge.sglang_http import ROUTES, SGLangHTTP, SGLangServerError
+from rollout_bridge.types import EngineMismatchError
+
+logger = logging.getLogger(__name__)
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+class SGLangControl(SGLangHTTP):
+    """Control plane of the SGLang servers (see module docstring).
+
+    Args (beyond `SGLangHTTP`'s):
+        vocab_size: Expected vocabulary (checked against the served config.json when readable).
+        expected_model_path: `check_server` refuses servers serving another model_path.
+        pause_mode: /pause_generation mode. "abort" (default): in-flight requests end with
+            finish_reason abort and the client re-sends them after the update. "retract" /
+            "in_place" keep them queued, which makes SGLang's post-update cache flush fail
+            (scheduler_components/weight_updater.py:120-133), so the client then never asks for
+            a flush.
+    """
+
+    def __init__(self, base_urls, *, api_key=None, control_timeout_s: float = 600.0,
+                 vocab_size: int | None = None, expected_model_path: str | None = None,
+                 pause_mode: str = "abort"):
+        super().__init__(base_urls, api_key=api_key, control_timeout_s=control_timeout_s)
+        if pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
+        self.vocab_size = vocab_size
+        self.expected_model_path = expected_model_path
+        self.pause_mode = pause_mode
+        self._known_version: str | None = None
+        self.model_info: dict | None = None
+
+    # ------------------------------------------------------------------ identity and health
+
+    def check_server(self) -> dict:
+        """Startup checks on every server (module docstring).
+
+        Returns:
+            The first server's /model_info, with "weight_version" and "num_servers".
+
+        Raises:
+            EngineMismatchError: unhealthy or unreachable server, 401, another model, another
+                vocabulary, or servers reporting different weight versions.
+        """
+        try:
+            self._control_all("health")
+            infos = self._control_all("model_info")
+        except SGLangServerError as exc:
+            raise EngineMismatchError(f"SGLang server check failed: {exc}") from exc
+        versions = []
+        for url, info in zip(self.base_urls, infos):
+            if not isinstance(info, dict):
+                raise EngineMismatchError(f"{url}: /model_info answered {str(info)[:200]}")
+            if self.expected_model_path is not None and \
+                    info.get("model_path") != self.expected_model_path:
+                raise EngineMismatchError(f"{url} serves model {info.get('model_path')!r}, "
+                                          f"expected {self.expected_model_path!r}")
+            self._check_vocab(url, info.get("model_path"))
+            versions.append(None if info.get("weight_version") is None
+                            else str(info["weight_version"]))
+        if len(set(versions)) != 1:
+            raise EngineMismatchError("SGLang servers report different weight versions: "
+                                      + ", ".join(f"{u}={v!r}" for u, v in
+                                                  zip(self.base_urls, versions)))
+        self._known_version = versions[0]
+        info = dict(infos[0], weight_version=versions[0], num_servers=len(self.base_urls))
+        self.model_info = info
+        logger.info("SGLang: %d server(s) ok (%s), model %s, weight_version %s, API key %s",
+                    len(self.base_urls), ", ".join(self.base_urls), info.get("model_path"),
+                    versions[0], "sent" if self.has_api_key else "not set")
+        return info
+
+    def _check_vocab(self, url: str, model_path: str | None) -> None:
+        if self.vocab_size is None:
+            return
+        config = os.path.join(model_path or "", "config.json")
+        if not (model_path and os.path.isfile(config)):
+            logger.info("%s: vocabulary not checked (SGLang reports no vocab_size and %r is "
+                        "not readable here)", url, model_path)
+            return
+        with open(config) as f:
+            served = json.load(f).get("vocab_size")
+        if served is not None and int(served) != int(self.vocab_size):
+            raise EngineMismatchError(f"{url} serves {model_path} with vocab_size {served}, "
+                                      f"expected {self.vocab_size}")
+
+    def weight_versions(self) -> list[str | None]:
+        """Every server's current weight version (GET /model_info), in server order."""
+        infos = self._control_all("model_info")
+        return [None if not isinstance(i, dict) or i.get("weight_version") is None
+                else str(i["weight_version"]) for i in infos]
+
+    def weight_version(self) -> str | None:
+        """The servers' weight version (raises `EngineMismatchError` if they disagree)."""
+        versions = self.weight_versions()
+        if len(set(versions)) != 1:
+            raise EngineMismatchError("SGLang servers report different weight versions: "
+                                      + ", ".join(f"{u}={v!r}" for u, v in
+                                                  zip(self.base_urls, versions)))
+        self._known_version = versions[0]
+        return versions[0]
+
+    def server_layout(self) -> list[dict[str, int]]:
+        """[{"tp_size", "dp_size", "pp_size"}] per server, from GET /server_info (only these
+        three numbers are kept: the answer also holds the server's API key)."""
+        out = []
+        for url, info in zip(self.base_urls, self._control_all("server_info")):
+            try:
+                out.append({k: int(info[k]) for k in ("tp_size", "dp_size", "pp_size")})
+            except (KeyError, TypeError, ValueError):
+                raise EngineMismatchError(f"{url}: /server_info lacks tp_size/dp_size/pp_size") \
+                    from None
+            del info
+        return out
+
+    # ------------------------------------------------------------------ control
+
+    def pause_generation(self, mode: str | None = None) -> list[Any]:
+        """POST /pause_generation on every server (aborted in-flight items are retried later)."""
+        return self._control_all("pause_generation", {"mode": mode or self.pause_mode})
+
+    def continue_generation(self) -> list[Any]:
+        """POST /continue_generation on every server."""
+        return self._control_all("continue_generation", {})
+
+    def begin_weight_update(self, selector: str = "all") -> None:
+        """POST /begin_weight_update: opens the session update_weights_from_distributed/_tensor
+        need (scheduler_components/weight_updater.py:187-199, :309)."""
+        self._checked_all("begin_weight_update", {"selector": selector})
+
+    def end_weight_update(self, selector: str = "all") -> None:
+        """POST /end_weight_update: closes the session (finalises quantised weights)."""
+        self._checked_all("end_weight_update", {"selector": selector})
+
+    def flush_cache(self) -> None:
+        self._control_all("flush_cache", None)
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """POST /release_memory_occupation (colocated GPU mode; the server must be idle)."""
+        self._control_all("release_memory_occupation", {"tags": tags})
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        self._control_all("resume_memory_occupation", {"tags": tags})
+
+    def _checked_all(self, name: str, body: dict | None, urls=None) -> list[Any]:
+        """`name` on every server; a `{"success": false}` answer is an error too."""
+        outs = self._control_all(name, body, urls=urls)
+        for url, out in zip(urls or self.base_urls, outs):
+            if isinstance(out, dict) and out.get("success") is False:
+                method, path = ROUTES[name]
+                raise SGLangServerError(f"{url}: {method} {path} refused: {out.get('message')}",
+                                        url=url, route=f"{method} {path}")
+        return outs

@@ -1,0 +1,253 @@
+"""HTTP plumbing shared by the SGLang client modules: servers, the API key, control requests.
+
+What: `SGLangHTTP` holds the list of server base URLs and the API key, sends control requests
+(one server or all of them concurrently) and turns every non-2xx answer into an error that names
+the server, the route and SGLang's own message. `ROUTES` lists every (method, path) the client
+calls; CI checks each one against the route table of the installed sglang package
+(tests/sglang_api), so a route that does not exist in a supported release cannot be used.
+
+API key (SGLang `--api-key`): sent as `Authorization: Bearer <key>` on every request, which is
+what SGLang's middleware checks (sglang/srt/utils/auth.py, 0.5.22/0.5.23). The key is read from
+an environment variable or a file (`read_api_key`), held in an `ApiKey` whose repr and str are
+redacted, and never written to a log line or an error message.
+
+Error shapes SGLang answers with (docs/engines.md, SGLang): a body that does not parse into the
+request class -> 400 `{"object": "error", "message": ...}`; a /generate contract violation ->
+400 `{"error": "<text>"}`; a ValueError in the tokenizer manager -> 400 `{"error": {"message":
+...}}`; a failed weight update -> 400 `{"success": false, "message": ...}`; missing or wrong key ->
+401 `{"error": "Unauthorized"}`; an unknown route -> 404 `{"detail": "Not Found"}`.
+`error_message` extracts the text from any of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import Coroutine, Sequence
+from typing import Any
+
+import aiohttp
+
+from rollout_bridge.decode import MalformedResponseError, loads
+
+# Every (method, path) the client sends, by purpose. tests/sglang_api checks each against the
+# installed sglang's HTTP app (both supported versions); tests/bridge/fake_sglang.py serves them.
+ROUTES: dict[str, tuple[str, str]] = {
+    "generate": ("POST", "/generate"),
+    "health": ("GET", "/health"),
+    "model_info": ("GET", "/model_info"),
+    "server_info": ("GET", "/server_info"),
+    "pause_generation": ("POST", "/pause_generation"),
+    "continue_generation": ("POST", "/continue_generation"),
+    "begin_weight_update": ("POST", "/begin_weight_update"),
+    "end_weight_update": ("POST", "/end_weight_update"),
+    "update_weights_from_disk": ("POST", "/update_weights_from_disk"),
+    "init_weights_update_group": ("POST", "/init_weights_update_group"),
+    "update_weights_from_distributed": ("POST", "/update_weights_from_distributed"),
+    "destroy_weights_update_group": ("POST", "/destroy_weights_update_group"),
+    "update_weights_from_tensor": ("POST", "/update_weights_from_tensor"),
+    "flush_cache": ("POST", "/flush_cache"),
+    "release_memory_occupation": ("POST", "/release_memory_occupation"),
+    "resume_memory_occupation": ("POST", "/resume_memory_occupation"),
+}
+
+SUPPORTED_SGLANG = ("0.5.22", "0.5.23")
+"""The sglang releases the client is checked against (tests/sglang_api; setup.py extra)."""
+
+
+class SGLangServerError(RuntimeError):
+    """A control request failed (HTTP error, unreachable server, refused operation).
+
+    Attributes:
+        url: The server. status: HTTP status (None when no answer came). route: "METHOD /path".
+    """
+
+    def __init__(self, message: str, *, url: str, route: str, status: int | None = None):
+        super().__init__(message)
+        self.url, self.route, self.status = url, route, status
+
+
+class _AttemptError(Exception):
+    """One failed /generate attempt (kind: timeout, connection, http, malformed, abort, invalid)."""
+
+    def __init__(self, kind: str, message: str, retryable: bool = True):
+        super().__init__(message)
+        self.kind, self.retryable = kind, retryable
+
+
+class ApiKey:
+    """The server's API key; never shown by repr/str (so it cannot reach a log by accident)."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: str):
+        value = value.strip()
+        if not value:
+            raise ValueError("empty API key")
+        self._value = value
+
+    def header(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self._value}"}
+
+    def reveal(self) -> str:
+        """The key itself (only for handing it to a server launcher)."""
+        return self._value
+
+    def __repr__(self) -> str:
+        return "ApiKey(<redacted>)"
+
+    __str__ = __repr__
+
+    def __reduce__(self):  # never pickled into a checkpoint or a broadcast
+        raise TypeError("ApiKey is not picklable")
+
+
+def read_api_key(env: str | None = None, file: str | None = None) -> ApiKey | None:
+    """The API key from a file (first line) or an environment variable; None if neither is set.
+
+    A file wins over the variable. A named file that does not exist is an error (a typo must not
+    silently disable authentication); an unset variable is not.
+    """
+    if file:
+        with open(os.path.expanduser(file)) as f:
+            text = f.readline()
+        if not text.strip():
+            raise ValueError(f"API key file {file} is empty")
+        return ApiKey(text)
+    if env and os.environ.get(env, "").strip():
+        return ApiKey(os.environ[env])
+    return None
+
+
+def error_message(raw: bytes) -> str:
+    """SGLang's error text from any of its error bodies (module docstring), else the raw start."""
+    try:
+        obj = loads(raw)
+    except MalformedResponseError:
+        return raw[:300].decode("utf-8", "replace")
+    if isinstance(obj, dict):
+        err = obj.get("error")
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])[:500]
+        if err is not None:
+            return str(err)[:500]
+        for key in ("message", "detail"):
+            if key in obj:
+                return str(obj[key])[:500]
+    return str(obj)[:300]
+
+
+def run_sync(coro: Coroutine) -> Any:
+    """Runs a coroutine to completion, also when called from inside a running event loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    result: dict[str, Any] = {}
+
+    def target():
+        try:
+            result["value"] = asyncio.run(coro)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+            result["error"] = exc
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+class SGLangHTTP:
+    """Server list, API key and control requests (base of the SGLang client classes).
+
+    Args:
+        base_urls: One URL or a list ("http://10.0.0.5:30000"); each a SGLang server, never a
+            sglang-router (it does not route the weight-sync and pause endpoints, docs/engines.md).
+        api_key: `ApiKey` (or a plain string) sent on every request; None sends none.
+        control_timeout_s: Timeout of one control request.
+    """
+
+    def __init__(self, base_urls: str | Sequence[str], *, api_key: ApiKey | str | None = None,
+                 control_timeout_s: float = 600.0):
+        urls = [base_urls] if isinstance(base_urls, str) else list(base_urls)
+        if not urls:
+            raise ValueError("no SGLang server URL given")
+        self.base_urls = [u.rstrip("/") for u in urls]
+        if len(set(self.base_urls)) != len(self.base_urls):
+            raise ValueError(f"duplicate SGLang server URLs in {self.base_urls}")
+        self._api_key = ApiKey(api_key) if isinstance(api_key, str) else api_key
+        self.control_timeout_s = float(control_timeout_s)
+
+    @property
+    def base_url(self) -> str:
+        """The first server (single-server use)."""
+        return self.base_urls[0]
+
+    @property
+    def has_api_key(self) -> bool:
+        return self._api_key is not None
+
+    def _headers(self) -> dict[str, str]:
+        return self._api_key.header() if self._api_key is not None else {}
+
+    async def _arequest(self, session: aiohttp.ClientSession, url: str, name: str,
+                        body: dict | None = None) -> Any:
+        """One control request; the decoded JSON answer (None for an empty body/`null`)."""
+        method, path = ROUTES[name]
+        route = f"{method} {path}"
+        try:
+            async with session.request(method, url + path, json=body,
+                                       headers=self._headers()) as resp:
+                raw = await resp.read()
+                status = resp.status
+        except asyncio.TimeoutError:
+            raise SGLangServerError(f"{url}: {route}: no answer within {self.control_timeout_s} s",
+                                    url=url, route=route) from None
+        except aiohttp.ClientError as exc:
+            raise SGLangServerError(f"{url}: {route}: {type(exc).__name__}: {exc}", url=url,
+                                    route=route) from None
+        if status // 100 != 2:
+            hint = " (API key missing or wrong)" if status == 401 else ""
+            raise SGLangServerError(f"{url}: {route}: HTTP {status}{hint}: "
+                                    f"{error_message(raw)}", url=url, route=route,
+                                    status=status)
+        if not raw.strip():
+            return None
+        try:
+            return loads(raw)
+        except MalformedResponseError:
+            return {"text": raw.decode("utf-8", "replace")}
+
+    def _session(self, limit: int = 0) -> aiohttp.ClientSession:
+        timeout = aiohttp.ClientTimeout(total=self.control_timeout_s)
+        return aiohttp.ClientSession(timeout=timeout,
+                                     connector=aiohttp.TCPConnector(limit=limit))
+
+    async def _acontrol_all(self, name: str, body: dict | None = None,
+                            urls: Sequence[str] | None = None,
+                            bodies: Sequence[dict] | None = None) -> list[Any]:
+        """`name` on every server concurrently (`bodies`: one body per server); answers in
+        server order (the first error is raised after all have answered, so no request is left
+        running)."""
+        urls = list(urls or self.base_urls)
+        bodies = list(bodies) if bodies is not None else [body] * len(urls)
+        async with self._session() as session:
+            results = await asyncio.gather(*(self._arequest(session, u, name, b)
+                                             for u, b in zip(urls, bodies)),
+                                           return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return results
+
+    def _control(self, name: str, body: dict | None = None, url: str | None = None) -> Any:
+        """`name` on one server (default: the first)."""
+        return self._control_all(name, body, urls=[url or self.base_url])[0]
+
+    def _control_all(self, name: str, body: dict | None = None,
+                     urls: Sequence[str] | None = None,
+                     bodies: Sequence[dict] | None = None) -> list[Any]:
+        return run_sync(self._acontrol_all(name, body, urls, bodies))
