@@ -18,6 +18,7 @@ policies differ the way they do in production, so off-policy corrections are exe
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -180,3 +181,21 @@ def load_safetensors_dir(path: str) -> dict[str, torch.Tensor]:
     for f in files:
         out.update(load_file(os.path.join(path, f)))
     return out
+
+
+def tensor_digest(name: str, tensor: torch.Tensor) -> str:
+    """sha256 of (name, dtype, shape, the tensor's bytes)."""
+    t = tensor.detach().to("cpu").contiguous()
+    h = hashlib.sha256()
+    h.update(name.encode("utf-8") + b"\0" + str(t.dtype).encode() + b"\0"
+             + str(tuple(t.shape)).encode() + b"\0")
+    h.update(t.view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def state_digest(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """Order-independent digest of (name, tensor) pairs (sha256 over the sorted per-tensor
+    digests), computable while streaming: the trainer hashes what it sends, a server what it
+    received, and equal digests mean bit-identical weights under identical names."""
+    parts = sorted(tensor_digest(n, t) for n, t in named_tensors)
+    return hashlib.sha256("".join(parts).encode()).hexdigest()
