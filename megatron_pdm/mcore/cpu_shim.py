@@ -17,10 +17,7 @@ Rules:
 from __future__ import annotations
 
 import contextlib
-import importlib
 import logging
-import sys
-import types
 import warnings
 
 import torch
@@ -117,17 +114,9 @@ def _patch_tensor_type() -> None:
 
 
 def _patch_megatron_modules() -> None:
-    # megatron-core 0.19 imports triton at `import megatron.core` through paged_stash; stub the one
-    # module when triton is absent (it is only used by a GPU-only MoE memory feature).
-    try:
-        importlib.import_module("triton")
-    except ImportError:
-        name = "megatron.core.transformer.moe.ops.paged_stash"
-        if name not in sys.modules:
-            try:
-                importlib.import_module(name)
-            except Exception:  # noqa: BLE001 - any import failure means: stub it
-                sys.modules[name] = types.ModuleType(name)
+    from megatron_pdm.mcore import stub_triton_paged_stash
+
+    stub_triton_paged_stash()  # megatron-core 0.19 without triton (normally done at package import)
 
     from megatron.core.transformer.moe import moe_utils
 
