@@ -295,15 +295,19 @@ def join_weight_update_group(master_address: str, master_port: int, world_size: 
         PrefixStore,
         _new_process_group_helper,
         _world,
-        rendezvous,
     )
 
     timeout = timedelta(seconds=timeout_s)
-    store, rank, world = next(rendezvous(f"tcp://{master_address}:{int(master_port)}", 0,
-                                         int(world_size), timeout=timeout))
-    store.set_timeout(timeout)
+    world = int(world_size)
+    # Rank 0 hosts the TCP store the servers' `rendezvous("tcp://...")` connects to. Created
+    # directly, not through `rendezvous`: under torchrun (TORCHELASTIC_USE_AGENT_STORE=True)
+    # rendezvous makes every rank a client, and nobody would host this group's store.
+    # multi_tenant: a later group on the same port (after a failed push) reuses the server.
+    store = dist.TCPStore(master_address, int(master_port), world, is_master=True,
+                          timeout=timeout, wait_for_workers=False, multi_tenant=True)
     store = PrefixStore(group_name, store)
-    pg, _ = _new_process_group_helper(world, rank, [], dist.Backend(backend), store,
+    # Collective (group creation): returns once every server rank has joined.
+    pg, _ = _new_process_group_helper(world, 0, [], dist.Backend(backend), store,
                                       group_name=group_name, backend_options=None,
                                       timeout=timeout)
     _world.pg_group_ranks[pg] = {i: i for i in range(world)}
@@ -470,9 +474,11 @@ class DistributedWeightSender:
             load_format=self.load_format, weight_version=version if last else None,
             flush_cache=self.client._flush(None) if last else False)
         fut = pool.submit(self.client.post_distributed_update, body)
-        if self.load_format == "flattened_bucket":
+        # Collective (weight-update group, async): rank 0 -> every server rank, received by
+        # SGLang's `receive_weights_from_distributed` for the body just posted.
+        if self.load_format == "flattened_bucket":  # one uint8 broadcast of the bucket's bytes
             works = [dist.broadcast(bucket.flat(), src=0, group=self.pg, async_op=True)]
-        else:
+        else:  # one broadcast per tensor, in `names` order
             works = [dist.broadcast(t.contiguous(), src=0, group=self.pg, async_op=True)
                      for t in bucket.tensors]
         self.stats["buckets"] += 1

@@ -120,9 +120,36 @@ class RolloutConfig:
     rank 0 requests rollouts from SGLang servers / a vLLM server and broadcasts them."""
     sglang_url: str | None = None
     """SGLang server base URL (engine=sglang)."""
+    sglang_urls: list[str] | None = None
+    """engine=sglang: several SGLang servers instead of one `sglang_url` (rollouts are spread
+    over them; every weight sync reaches all). Servers, not an sglang-router: the router does
+    not route the weight-sync and pause endpoints (docs/engines.md, SGLang)."""
+    sglang_api_key_env: str = "PDM_SGLANG_API_KEY"
+    """engine=sglang: environment variable holding the servers' API key (SGLang --api-key),
+    sent on every request. The config holds only the variable's name, never the key."""
+    sglang_api_key_file: str | None = None
+    """engine=sglang: file whose first line is the API key (wins over the variable)."""
+    weight_sync: Literal["disk", "distributed"] = "disk"
+    """engine=sglang: "disk" (HF safetensors under hf_checkpoint, update_weights_from_disk) or
+    "distributed" (the live model gathered on rank 0 and broadcast to every server over
+    NCCL/gloo with update_weights_from_distributed; no disk)."""
+    weight_sync_backend: Literal["nccl", "gloo"] = "nccl"
+    """weight_sync=distributed: broadcast backend (gloo: CPU servers and tests)."""
+    weight_sync_master_addr: str = "127.0.0.1"
+    """weight_sync=distributed: address of trainer rank 0 that every server can reach."""
+    weight_sync_master_port: int = 0
+    """weight_sync=distributed: TCP port of the group's rendezvous on that address (0: free)."""
+    weight_sync_bucket_mb: int = 512
+    """weight_sync=distributed: bucket size (one request and one broadcast per bucket)."""
+    weight_sync_load_format: Literal["flattened_bucket", "per_tensor"] = "flattened_bucket"
+    """weight_sync=distributed: one broadcast per bucket or one per tensor."""
+    weight_sync_digest: bool = False
+    """weight_sync=distributed: hash every pushed tensor on rank 0 and log the digest (costs a
+    sha256 pass over the model; for tests and audits)."""
     hf_checkpoint: str | None = None
-    """engine=sglang: directory visible to the SGLang servers; the trainer writes the current
-    weights as HF safetensors to `<hf_checkpoint>/v<version>` at every weight sync."""
+    """engine=sglang, weight_sync=disk: directory visible to the SGLang servers; the trainer
+    writes the current weights as HF safetensors to `<hf_checkpoint>/v<version>` at every
+    weight sync."""
     max_sequence_length: int | None = None
     """Prompt + response tokens (None: the task's fixed length). Longer prompts are dropped."""
     max_new_tokens: int | None = None
@@ -165,10 +192,20 @@ class RolloutConfig:
         _positive("rollout", self, "top_logprobs", "max_retries",
                   allow_zero=True)
         if self.engine == "sglang":
-            missing = [k for k in ("sglang_url", "hf_checkpoint") if not getattr(self, k)]
+            missing = [] if (self.sglang_url or self.sglang_urls) else ["sglang_url"]
+            if self.weight_sync == "disk" and not self.hf_checkpoint:
+                missing.append("hf_checkpoint")
             if missing:
                 raise ConfigError("rollout.engine=sglang needs " +
-                                  " and ".join(f"rollout.{k}" for k in missing))
+                                  " and ".join(f"rollout.{k}" for k in missing) +
+                                  (" (or rollout.sglang_urls)" if "sglang_url" in missing
+                                   else "") +
+                                  (" (or rollout.weight_sync=distributed)"
+                                   if "hf_checkpoint" in missing else ""))
+            if self.sglang_url and self.sglang_urls:
+                raise ConfigError("rollout.sglang_url and rollout.sglang_urls are exclusive")
+        _positive("rollout", self, "weight_sync_bucket_mb")
+        _positive("rollout", self, "weight_sync_master_port", allow_zero=True)
         if self.engine == "vllm" and not self.vllm_url:
             raise ConfigError("rollout.engine=vllm needs rollout.vllm_url")
         _positive("rollout", self, "vllm_restart_wait_s", allow_zero=True)

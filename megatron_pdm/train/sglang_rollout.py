@@ -1,24 +1,35 @@
 """Rollouts from SGLang servers and the weight sync that keeps them on-policy (`engine: sglang`).
 
 Rollout: global rank 0 sends the iteration's prompts to `rollout_bridge.SGLangEngine`
-(`rollout.sglang_url`; token ids in, top-K logprobs out); the rank-0 driving, the version check
-and the broadcast to every rank are `ServerRollout`'s (server_rollout.py).
+(`rollout.sglang_url`, or several servers in `rollout.sglang_urls`: prompts spread round-robin,
+a retry goes to the next server; token ids in, top-K logprobs out); the rank-0 driving, the
+version check and the broadcast to every rank are `ServerRollout`'s (server_rollout.py). The API
+key (SGLang --api-key) comes from `rollout.sglang_api_key_file` or the environment variable named
+by `rollout.sglang_api_key_env`; only those names are in the config.
 
-Weight sync (after each iteration's optimizer steps, and once before the first rollout):
-1. every rank saves its model shard with megatron `dist_checkpointing` into a scratch directory
-   (`<hf_checkpoint>/.dist_v<version>`, with a `pdm_model.json`), which works at any TP/EP/PP;
-2. rank 0 streams it to HF safetensors with `megatron_pdm.convert.export.export_to_hf`
-   (per-expert layout, one layer in memory at a time) into `<hf_checkpoint>/v<version>`;
-3. rank 0 calls `SGLangEngine.update_weights_from_disk(path, version)`: pause -> update ->
-   continue, then verifies /get_weight_version. Older version directories beyond
-   `rollout.keep_synced` are deleted.
-Cost per sync: the model is written twice and read once (dist shard write by all ranks in
-parallel, then a single-process read + safetensors write on rank 0): for Qwen3-30B-A3B in bf16
-about 3 x 61 GB of file I/O per iteration, i.e. minutes on a shared file system, dominated by
-rank 0's export. The export dtype is bf16 for rollout_precision bf16/fp8 (fp8: the servers
-quantise on load, `--quantization fp8`), else the training dtype. A production system would
-broadcast the gathered tensors over NCCL instead (`SGLangEngine.update_weights_from_distributed`,
-docs/engines.md); that path is not wired into the driver.
+Weight sync (after each iteration's optimizer steps, once before the first rollout, after a
+resume), `rollout.weight_sync`:
+
+* "distributed" (no disk): `convert.live.iter_hf_groups` gathers the live, sharded model (any
+  TP/EP/PP) as full HF tensors on rank 0, one layer group at a time, and
+  `rollout_bridge.sglang_weights.DistributedWeightSender` streams them to every server: one
+  weight-update group (trainer rank 0 + every server TP rank, created once with
+  /init_weights_update_group and rank offsets per server), buckets of `weight_sync_bucket_mb`
+  posted with /update_weights_from_distributed while rank 0 broadcasts them (NCCL on GPUs, gloo
+  on CPUs), the next layer gathered while a bucket is on the wire, all inside one
+  pause -> begin_weight_update ... end_weight_update -> continue session; the last bucket sets
+  the weight version, which every server must then report. Rank 0 keeps consuming the gather
+  even when the push fails (the gather is collective), then the error reaches every rank.
+* "disk" (fallback, shared file system): every rank saves its shard with megatron
+  `dist_checkpointing` into `<hf_checkpoint>/.dist_v<version>`; rank 0 streams it to HF
+  safetensors with `convert.export.export_to_hf` into `<hf_checkpoint>/v<version>` and calls
+  `update_weights_from_disk` on every server (pause -> update -> continue -> version check).
+  For Qwen3-30B-A3B in bf16 that is ~3 x 61 GB of file I/O per iteration; `rollout.keep_synced`
+  directories are kept.
+
+Push dtype: bf16 for rollout_precision bf16/fp8 (fp8 servers quantise on load), else the
+training dtype. Each push is recorded in `<output_dir>/weight_sync.jsonl` (rank 0: version,
+mode, seconds, buckets, bytes and, with `rollout.weight_sync_digest`, the sha256 state digest).
 """
 
 from __future__ import annotations
@@ -27,12 +38,21 @@ import json
 import logging
 import os
 import shutil
+import socket
+import time
 
+import torch
 import torch.distributed as dist
 
 from megatron_pdm.train.server_rollout import ServerRollout
 
 logger = logging.getLogger(__name__)
+
+
+def _free_port(address: str) -> int:
+    with socket.socket() as s:
+        s.bind((address, 0))
+        return s.getsockname()[1]
 
 
 class SGLangRollout(ServerRollout):
@@ -41,26 +61,109 @@ class SGLangRollout(ServerRollout):
     def __init__(self, cfg, arch, trainer_module_fn, *, meta: dict | None, style: str):
         r = cfg.rollout
         self.style = style
-        self.root = os.path.abspath(r.hf_checkpoint)
+        self.root = os.path.abspath(r.hf_checkpoint) if r.hf_checkpoint else None
         self.meta_base = meta or {}
         self.load_dir = cfg.checkpoint.load_dir
         if r.rollout_precision in ("bf16", "fp8"):
             self.export_dtype = "bf16"
         else:
             self.export_dtype = cfg.precision.params_dtype
+        self.push_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[self.export_dtype]
+        self.sender = None
+        self.last_push: dict = {}
+        self.log_path = os.path.join(cfg.output_dir, "weight_sync.jsonl")
         super().__init__(cfg, arch, trainer_module_fn)
 
     def _make_client(self):
         from rollout_bridge import SGLangEngine
+        from rollout_bridge.sglang_http import read_api_key
 
         r = self.cfg.rollout
-        os.makedirs(self.root, exist_ok=True)
-        return SGLangEngine(
-            r.sglang_url, top_logprobs=r.top_logprobs, timeout_s=r.timeout_s,
-            max_retries=r.max_retries, seed=self.cfg.seed, vocab_size=self.arch.vocab_size,
-            raise_on_failure=True, topk_transport=r.topk_transport)
+        key = read_api_key(r.sglang_api_key_env, r.sglang_api_key_file)
+        if key is None:
+            logger.warning("no SGLang API key (rollout.sglang_api_key_env=%s is unset): anyone "
+                           "who reaches the servers can replace the policy",
+                           r.sglang_api_key_env)
+        if self.root is not None:
+            os.makedirs(self.root, exist_ok=True)
+        client = SGLangEngine(
+            r.sglang_urls or r.sglang_url, top_logprobs=r.top_logprobs, api_key=key,
+            timeout_s=r.timeout_s, max_retries=r.max_retries, seed=self.cfg.seed,
+            vocab_size=self.arch.vocab_size, raise_on_failure=True,
+            topk_transport=r.topk_transport)
+        if r.weight_sync == "distributed":
+            from rollout_bridge.sglang_weights import DistributedWeightSender
+
+            port = r.weight_sync_master_port or _free_port(r.weight_sync_master_addr)
+            self.sender = DistributedWeightSender(
+                client, master_address=r.weight_sync_master_addr, master_port=port,
+                backend=r.weight_sync_backend, bucket_bytes=r.weight_sync_bucket_mb << 20,
+                load_format=(None if r.weight_sync_load_format == "per_tensor"
+                             else "flattened_bucket"), timeout_s=r.timeout_s)
+        return client
 
     # ------------------------------------------------------------------ weight sync
+
+    def _push(self, version: str) -> None:
+        """Collective: push the current weights to every server as `version`."""
+        t0 = time.time()
+        if self.cfg.rollout.weight_sync == "distributed":
+            stats = self._push_distributed(version)
+        else:
+            stats = self._push_disk(version)
+        stats = dict(stats or {}, version=str(version), mode=self.cfg.rollout.weight_sync,
+                     seconds=time.time() - t0)
+        self.last_push = stats
+        if dist.get_rank() == 0:
+            os.makedirs(os.path.dirname(self.log_path) or ".", exist_ok=True)
+            with open(self.log_path, "a") as f:
+                f.write(json.dumps(stats) + "\n")
+
+    def _push_distributed(self, version: str) -> dict:
+        from megatron_pdm.convert.live import iter_hf_groups
+
+        r = self.cfg.rollout
+        device = "cpu" if r.weight_sync_backend == "gloo" else None
+        groups = iter_hf_groups(self._module(), self.arch, dst=0, dtype=self.push_dtype,
+                                expert_layout="per_expert", device=device)
+        box = [None]
+        if dist.get_rank() == 0:
+            digests: list[str] | None = [] if r.weight_sync_digest else None
+
+            def named():
+                from rollout_bridge.weights import tensor_digest
+
+                for _, group in groups:
+                    for name, tensor in group.items():
+                        if digests is not None:
+                            digests.append(tensor_digest(name, tensor))
+                        yield name, tensor
+
+            try:
+                stats = self.sender.push(named(), str(version))
+                if digests is not None:
+                    import hashlib
+
+                    stats["digest"] = hashlib.sha256("".join(sorted(digests)).encode()
+                                                     ).hexdigest()
+                box[0] = ("ok", stats)
+            except Exception as exc:  # noqa: BLE001 - re-raised on every rank
+                logger.exception("weight sync to version %s failed", version)
+                box[0] = ("error", f"{type(exc).__name__}: {exc}")
+            finally:
+                # Collective (live gather, default group): finish it whatever happened
+                for _ in groups:
+                    pass
+        else:
+            # Collective (live gather, default group): send this rank's shards to rank 0
+            for _ in groups:
+                pass
+        # Object broadcast from rank 0: the push's stats (or its error) reach every rank.
+        dist.broadcast_object_list(box, src=0)
+        status, value = box[0]
+        if status == "error":
+            raise RuntimeError(f"rollout server call failed on rank 0: {value}")
+        return value
 
     def _meta(self) -> dict:
         from megatron.core import parallel_state as ps
@@ -77,8 +180,7 @@ class SGLangRollout(ServerRollout):
             "hf_config": self.meta_base.get("hf_config") or {},
         }
 
-    def _push(self, version: str) -> None:
-        """Collective: export the current weights and push them to the servers as `version`."""
+    def _push_disk(self, version: str) -> dict:
         from megatron_pdm.mcore.checkpoint import save_model
 
         scratch = os.path.join(self.root, f".dist_v{version}")
@@ -103,9 +205,9 @@ class SGLangRollout(ServerRollout):
             shutil.rmtree(scratch, ignore_errors=True)
             self.client.update_weights_from_disk(target, str(version))
             self._cleanup(keep=target)
-            return True
+            return {"path": target}
 
-        self._on_rank0(export_and_push)
+        return self._on_rank0(export_and_push)
 
     def _cleanup(self, keep: str) -> None:
         keep_n = max(1, self.cfg.rollout.keep_synced)

@@ -78,6 +78,15 @@ class FakeServerProcess:
         with open(self.log_file) as f:
             return [json.loads(line) for line in f]
 
+    def num_generate(self) -> int:
+        """/generate requests the server has answered or is answering (flushed every 0.2 s;
+        final once the server has stopped)."""
+        path = self.log_file + ".generate"
+        if not os.path.exists(path):
+            return 0
+        with open(path) as f:
+            return int(f.read() or 0)
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()

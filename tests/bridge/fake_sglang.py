@@ -102,9 +102,7 @@ class FakeSGLangServer:
     """
 
     def __init__(self, engine: LocalEngine, model_path: str = "tiny-lm", *,
-                 api_key: str | None = None, receiver: str = "auto", tp_size: int = 1,
-                 report_vocab: bool | None = None):
-        del report_vocab  # SGLang reports no vocabulary; kept for old callers
+                 api_key: str | None = None, receiver: str = "auto", tp_size: int = 1):
         self.engine = engine
         self.model_path = model_path
         self.api_key = api_key
@@ -120,6 +118,7 @@ class FakeSGLangServer:
         self.served_state: dict[str, torch.Tensor] = {}
         self.unauthorized: list[str] = []
         self.deterministic_seeds = False
+        self.discard_weights = False  # receive weights, neither load nor keep them (benchmarks)
         """Seed every item by (prompt, sample index) instead of arrival order (reproducible
         rollouts under the client's concurrent requests)."""
         self._lock = threading.Lock()
@@ -249,7 +248,6 @@ class FakeSGLangServer:
                     self.engine.load_weights_from_disk(body["model_path"],
                                                        body.get("weight_version"))
                     self.served_state = {k: v.clone() for k, v in state.items()}
-                    self._log_served()
             except Exception as exc:  # noqa: BLE001 - reported like SGLang does
                 return False, f"Failed to update weights: {exc}", {"num_paused_requests": 0}
             return True, "Succeeded to update model weights.", {"num_paused_requests": 0}
@@ -289,6 +287,10 @@ class FakeSGLangServer:
         return True, "ok", {}
 
     def _load(self, named, version) -> tuple[bool, str, dict]:
+        if self.discard_weights:
+            if version is not None:
+                self.engine._version = str(version)
+            return True, "Succeeded to update parameter online.", {}
         try:
             with self._lock:
                 load_named(self.engine, named)
@@ -337,6 +339,8 @@ class FakeSGLangServer:
         try:
             rules.check_generate(body, self.engine.vocab_size)
         except rules.Rejected as rej:
+            if rej.shape == "stream":
+                return web.Response(text=rej.body, content_type="text/event-stream")
             return web.json_response(rej.body, status=rej.status)
         loop = asyncio.get_running_loop()
         out = await loop.run_in_executor(None, self._answer, body, fault)
@@ -536,6 +540,7 @@ def main(argv=None) -> None:
     parser.add_argument("--log-file", default=None, help="append one JSON line per control call")
     parser.add_argument("--api-key-env", default=None, help="env var holding --api-key")
     parser.add_argument("--receiver", default="auto", choices=("auto", "mirror", "sglang"))
+    parser.add_argument("--discard-weights", action="store_true", help="receive, don't load")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.tiny_lm:
@@ -548,9 +553,13 @@ def main(argv=None) -> None:
         engine = HFModelEngine(args.hf_dir, seed=args.seed)
         model_path = args.hf_dir
     key = os.environ.get(args.api_key_env) if args.api_key_env else None
-    server = FakeSGLangServer(engine, model_path=model_path, api_key=key,
-                              receiver=args.receiver)
+    server = FakeSGLangServer(engine, model_path=model_path, api_key=key, receiver=args.receiver)
     server.deterministic_seeds = True
+    server.discard_weights = args.discard_weights
+    if args.receiver == "sglang":  # import sglang's WeightUpdater before serving (slow import)
+        from sglang_receiver import make_receiver
+
+        server.receiver = make_receiver("sglang")
     server.start()
     tmp = args.port_file + ".tmp"
     with open(tmp, "w") as f:
@@ -570,6 +579,10 @@ def main(argv=None) -> None:
                         f.write(orjson.dumps({"call": name, "body": body},
                                              option=orjson.OPT_SERIALIZE_NUMPY).decode() + "\n")
             seen = len(server.calls)
+        if args.log_file:  # /generate requests are counted, not logged (they are many)
+            with open(args.log_file + ".generate.tmp", "w") as f:
+                f.write(str(server.num_generate))
+            os.replace(args.log_file + ".generate.tmp", args.log_file + ".generate")
 
     try:
         while not stop.wait(0.2):
