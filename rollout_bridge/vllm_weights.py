@@ -1,0 +1,269 @@
+"""Weight sync into a running vLLM server, and recovery from its restarts (`VLLMEngine`'s base).
+
+What: `VLLMWeightSync` (on top of `VLLMControl`, rollout_bridge/vllm_http.py):
+
+* Weight sync without disk (`update_weights`): the HF-named state dict is serialised as one
+  safetensors blob, base64'd and sent to the worker extension (rollout_bridge/vllm_worker_ext.py)
+  through `POST /collective_rpc`, framed by `/pause?mode=wait` (in-flight requests drain, the
+  prefix cache is cleared) and `/resume`; every worker's digest of what it loaded must equal the
+  trainer's (`canonical_digest`), then `/update_weight_version` sets the version and
+  `/weight_info` confirms it. GPU clusters use vLLM's weight-transfer engine instead
+  (`init_weight_transfer_engine` / `update_weights_via_transfer`, NCCL; not run on CPU).
+* Restarts are never silent: vLLM's completion responses do not say which weights produced them,
+  and a restarted server serves its on-disk checkpoint under version "default". The generation
+  code (rollout_bridge/vllm_client.py) calls `_ensure_server` before every request of a call;
+  while the call's `_CallState` is suspect (before the first request, after any connection error
+  / 5xx / timeout) it runs `_check_restart`: health (waiting up to `recover_timeout_s`), then the
+  weight version against the expected one. A restarted server (version mismatch) gets the last
+  pushed weights again from the cached blob (`repush_on_restart`, digest-verified); without a
+  cached blob the call's remaining samples fail with a "restart" error.
+
+The attributes it reads (pause_mode, max_recoveries, recover_timeout_s, repush_on_restart,
+cache_push_max_bytes, _last_push, _known_version, _lock, num_repushes, last_push_info) are set
+by `VLLMEngine.__init__`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from rollout_bridge.types import WeightSyncError
+from rollout_bridge.vllm_http import VLLMControl, _AttemptError, _run_sync
+
+logger = logging.getLogger(__name__)
+
+
+class _CallState:
+    """Shared by the coroutines of one `generate` call (the restart guard)."""
+
+    def __init__(self, expected: str | None):
+        self.expected = expected
+        self.suspect = True  # the first send waits for a version check
+        self.dead: str | None = None
+        self.lock = asyncio.Lock()
+        self.repushes = 0
+        self.checks = 0
+
+
+class VLLMWeightSync(VLLMControl):
+    """In-memory weight pushes, the GPU weight-transfer path and the restart guard."""
+
+    # ------------------------------------------------------------------ weight sync
+
+    def update_weights(self, state_dict: Mapping[str, Any], version: str, **_: Any) -> str:
+        """`RolloutEngine.update_weights`: push HF-named tensors (no disk), verify, set version.
+
+        Args:
+            state_dict: {HF name: tensor}; a complete state dict (a subset must hold whole
+                vLLM layers, rollout_bridge/vllm_worker_ext.py), in the dtype to serve.
+            version: The new weight version.
+
+        Returns:
+            The new version.
+
+        Raises:
+            WeightSyncError: The push, the digest check or the version check failed (generation
+                is resumed first).
+        """
+        from safetensors.torch import save
+
+        from rollout_bridge.vllm_worker_ext import canonical_digest
+
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
+        t0 = time.perf_counter()
+        blob = save(tensors)
+        digest = canonical_digest(tensors)
+        b64 = base64.b64encode(blob).decode("ascii")
+        t1 = time.perf_counter()
+
+        async def run():
+            async with self._session() as s:
+                for attempt in range(self.max_recoveries + 1):
+                    try:
+                        return await self._apush(s, b64, digest, str(version))
+                    except WeightSyncError as exc:
+                        # The server died during the push: with recover_timeout_s, wait for it
+                        # and push again (idempotent: the same blob and version).
+                        if (self.recover_timeout_s <= 0 or attempt == self.max_recoveries
+                                or not await self._wait_healthy(s)):
+                            raise
+                        logger.warning("weight push failed (%s); the server is back: pushing "
+                                       "version %s again", exc, version)
+                raise AssertionError("unreachable")
+
+        info = _run_sync(run())
+        info.update(serialize_s=round(t1 - t0, 6), bytes=len(blob))
+        self.last_push_info = info
+        return str(version)
+
+    async def _wait_healthy(self, session) -> bool:
+        """Polls /health for up to recover_timeout_s; True once it answers 200."""
+        deadline = time.monotonic() + self.recover_timeout_s
+        while True:
+            try:
+                await self._request(session, "GET", "/health", timeout=10)
+                return True
+            except _AttemptError:
+                if time.monotonic() >= deadline:
+                    return False
+                await asyncio.sleep(min(2.0, max(0.1, deadline - time.monotonic())))
+
+    async def _apush(self, session, b64: str, digest: str, version: str) -> dict:
+        t0 = time.perf_counter()
+        try:
+            await self._request(session, "POST", "/pause",
+                                params={"mode": self.pause_mode, "clear_cache": "true"})
+        except _AttemptError as exc:
+            raise WeightSyncError(f"pause before the weight push failed: {exc}") from None
+        error: str | None = None
+        results: list = []
+        try:
+            results = await self._rpc(session, "pdm_load_weights_b64", b64)
+            for i, r in enumerate(results):
+                got = r.get("canonical_digest") if isinstance(r, dict) else None
+                if got != digest:
+                    error = (f"worker {i} loaded tensors with digest {got!r}, the trainer sent "
+                             f"{digest!r}")
+                    break
+            if error is None:
+                await self._request(session, "POST", "/update_weight_version",
+                                    body={"new_version": version})
+        except _AttemptError as exc:
+            error = str(exc)
+        finally:
+            try:
+                await self._request(session, "POST", "/resume")
+            except _AttemptError as exc:
+                error = error or f"resume after the weight push failed: {exc}"
+        if error is None:
+            try:
+                got = await self._aweight_version(session)
+            except _AttemptError as exc:
+                got, error = None, f"weight version check failed: {exc}"
+            if error is None and got != version:
+                error = f"server reports weight version {got!r} after pushing {version!r}"
+        if error is not None:
+            self._known_version = None
+            raise WeightSyncError(f"vLLM weight push of version {version} failed: {error}")
+        self._known_version = version
+        with self._lock:
+            self._last_push = ((b64, digest, version)
+                               if len(b64) * 3 // 4 <= self.cache_push_max_bytes else None)
+        load_s = max((r.get("load_s", 0.0) for r in results), default=0.0)
+        logger.info("vLLM weights -> version %s (%d tensors, %.2f s, worker load %.3f s)",
+                    version, results[0].get("num_tensors", -1), time.perf_counter() - t0, load_s)
+        return {"push_s": round(time.perf_counter() - t0, 6), "worker": results,
+                "digest": digest, "version": version}
+
+    def init_weight_transfer_engine(self, init_info: dict) -> Any:
+        """GPU clusters: `POST /init_weight_transfer_engine` (server started with
+        `--weight-transfer-config '{"backend": "nccl"}'`; e.g. NCCLTrainerInitInfo fields
+        master_address, master_port, world_size, ...). Not available on CPU."""
+        return self._control("POST", "/init_weight_transfer_engine", body={"init_info": init_info})
+
+    def update_weights_via_transfer(self, names: list[str], dtype_names: list[str],
+                                    shapes: list[list[int]], version: str, *,
+                                    send_fn: Callable[[], None]) -> str:
+        """GPU clusters: vLLM's weight-transfer path (NCCL broadcast from the trainer).
+
+        Sequence: /pause -> /start_weight_update -> /update_weights (the server receives while
+        `send_fn()` sends, e.g. `NCCLTrainerWeightTransferEngine.send_weights`, in this thread) ->
+        /finish_weight_update {weight_version} -> /resume -> /weight_info check. The CPU MoE
+        repack of the worker extension does not apply there (GPU kernels). Untested on CPU.
+        """
+        async def run():
+            async with self._session() as s:
+                await self._request(s, "POST", "/pause",
+                                    params={"mode": self.pause_mode, "clear_cache": "true"})
+                try:
+                    await self._request(s, "POST", "/start_weight_update")
+                    update = asyncio.ensure_future(self._request(
+                        s, "POST", "/update_weights", body={"update_info": {
+                            "names": list(names), "dtype_names": list(dtype_names),
+                            "shapes": [list(map(int, x)) for x in shapes]}}))
+                    await asyncio.get_running_loop().run_in_executor(None, send_fn)
+                    await update
+                    await self._request(s, "POST", "/finish_weight_update",
+                                        body={"weight_version": str(version)})
+                finally:
+                    await self._request(s, "POST", "/resume")
+                return await self._aweight_version(s)
+
+        try:
+            got = _run_sync(run())
+        except _AttemptError as exc:
+            raise WeightSyncError(f"weight transfer of version {version} failed: {exc}") from None
+        if got != str(version):
+            raise WeightSyncError(f"server reports weight version {got!r} after {version!r}")
+        self._known_version = str(version)
+        with self._lock:
+            self._last_push = None  # nothing cached to re-push after a restart
+        return str(version)
+
+    # ------------------------------------------------------------------ restart guard
+
+    async def _ensure_server(self, session, state: _CallState) -> _AttemptError | None:
+        """Blocks sends while the server is suspect; None when a request may be sent."""
+        while True:
+            if state.dead is not None:
+                return _AttemptError("restart", state.dead, retryable=False)
+            if not state.suspect:
+                return None
+            async with state.lock:
+                if state.dead is not None or not state.suspect:
+                    continue
+                await self._check_restart(session, state)
+                if state.suspect and state.dead is None:
+                    return _AttemptError("connection", f"{self.base_url} is unreachable "
+                                         "(health check failed)")
+
+    async def _check_restart(self, session, state: _CallState) -> None:
+        """Health (waiting up to recover_timeout_s), then the weight version; re-push if needed.
+
+        Leaves `state.suspect` True if the server stays unreachable, sets `state.dead` when it
+        came back with other weights that cannot be restored.
+        """
+        state.checks += 1
+        deadline = time.monotonic() + self.recover_timeout_s
+        while True:
+            try:
+                await self._request(session, "GET", "/health", timeout=10)
+                version = await self._aweight_version(session)
+                break
+            except _AttemptError:
+                if time.monotonic() >= deadline:
+                    return
+                await asyncio.sleep(min(2.0, max(0.1, deadline - time.monotonic())))
+        if state.expected is None:
+            state.expected = version  # nothing pushed yet: adopt what the server serves
+            self._known_version = version
+        if version == state.expected:
+            state.suspect = False
+            return
+        with self._lock:
+            cached = self._last_push
+        if not (self.repush_on_restart and cached is not None and cached[2] == state.expected):
+            state.dead = (f"server restarted or changed weights: weight version {version!r}, "
+                          f"expected {state.expected!r} (a restarted vLLM serves its on-disk "
+                          "checkpoint); no cached weights to re-push, so the remaining samples "
+                          "are not drawn: push the weights again")
+            return
+        if state.repushes >= self.max_recoveries:
+            state.dead = (f"server restarted {state.repushes + 1} times in one call "
+                          f"(max_recoveries={self.max_recoveries})")
+            return
+        logger.warning("vLLM server at %s restarted (weight version %r, expected %r): "
+                       "re-pushing the cached weights", self.base_url, version, state.expected)
+        try:
+            await self._apush(session, *cached)
+        except WeightSyncError as exc:
+            state.dead = f"re-push after a restart failed: {exc}"
+            return
+        state.repushes += 1
+        self.num_repushes += 1
+        state.suspect = False
