@@ -35,6 +35,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -295,19 +296,24 @@ def join_weight_update_group(master_address: str, master_port: int, world_size: 
         PrefixStore,
         _new_process_group_helper,
         _world,
+        rendezvous,
     )
 
     timeout = timedelta(seconds=timeout_s)
-    world = int(world_size)
-    # Rank 0 hosts the TCP store the servers' `rendezvous("tcp://...")` connects to. Created
-    # directly, not through `rendezvous`: under torchrun (TORCHELASTIC_USE_AGENT_STORE=True)
-    # rendezvous makes every rank a client, and nobody would host this group's store.
-    # multi_tenant: a later group on the same port (after a failed push) reuses the server.
-    store = dist.TCPStore(master_address, int(master_port), world, is_master=True,
-                          timeout=timeout, wait_for_workers=False, multi_tenant=True)
+    # Rank 0 must host the TCP store the servers connect to. Under torchrun
+    # (TORCHELASTIC_USE_AGENT_STORE=True) `rendezvous` would make every rank a client of the
+    # agent's store and nobody would host this group's: the variable is lifted for the call.
+    agent = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    try:
+        store, rank, world = next(rendezvous(f"tcp://{master_address}:{int(master_port)}", 0,
+                                             int(world_size), timeout=timeout))
+    finally:
+        if agent is not None:
+            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = agent
+    store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
     # Collective (group creation): returns once every server rank has joined.
-    pg, _ = _new_process_group_helper(world, 0, [], dist.Backend(backend), store,
+    pg, _ = _new_process_group_helper(world, rank, [], dist.Backend(backend), store,
                                       group_name=group_name, backend_options=None,
                                       timeout=timeout)
     _world.pg_group_ranks[pg] = {i: i for i in range(world)}

@@ -10,7 +10,7 @@ Two implementations of one interface (`init_group`, `receive`, `destroy`):
     format = one async broadcast per (name, dtype, shape) in order from rank 0, "flattened_bucket"
     = one uint8 broadcast of the tensors' bytes concatenated in order (weight_sync/
     tensor_bucket.py `FlattenedTensorBucket.empty`, which refuses unaligned offsets in 0.5.23).
-    tests/sglang_api/test_weight_receive.py runs both receivers in one sync from the trainer's
+    tests/sglang_api/test_client_box.py runs both receivers in one sync from the trainer's
     sender and requires bit-identical tensors.
 """
 
@@ -54,6 +54,7 @@ class MirrorReceiver:
                                                  rank, int(world_size), timeout=self.timeout))
             store.set_timeout(self.timeout)
             store = PrefixStore(group_name, store)
+            # collective (group creation): returns once every rank has joined
             pg, _ = _new_process_group_helper(world, rank, [], dist.Backend(backend), store,
                                               group_name=group_name, backend_options=None,
                                               timeout=self.timeout)
@@ -78,13 +79,14 @@ class MirrorReceiver:
                 metas.append((name, dt, torch.Size(shape), offset, size))
                 offset += size
             flat = torch.empty(offset, dtype=torch.uint8)
-            dist.broadcast(flat, src=0, group=pg)
+            dist.broadcast(flat, src=0, group=pg)  # collective: the bucket's bytes from rank 0
             return [(name, flat[o:o + n].view(dt).reshape(shape))
                     for name, dt, shape, o, n in metas]
         out, works = [], []
         for name, dtype, shape in zip(names, dtypes, shapes):
             t = torch.empty(shape, dtype=getattr(torch, dtype))
-            works.append(dist.broadcast(t, src=0, group=pg, async_op=True))
+            works.append(dist.broadcast(t, src=0, group=pg, async_op=True))  # collective: one
+            # tensor from rank 0, posted in `names` order like SGLang's receive
             out.append((name, t))
         for w in works:
             w.wait()
