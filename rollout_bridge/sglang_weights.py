@@ -34,6 +34,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import itertools
 import logging
 import os
 import threading
@@ -51,6 +52,7 @@ from rollout_bridge.types import EngineMismatchError, WeightSyncError
 logger = logging.getLogger(__name__)
 
 LOAD_FORMATS = (None, "flattened_bucket")
+_GROUP_IDS = itertools.count(1)
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:
@@ -195,10 +197,25 @@ class SGLangWeightSync(SGLangControl):
 
         joiner = threading.Thread(target=run_join, name="weight-group-join", daemon=True)
         joiner.start()
-        try:
-            self._checked_all_bodies("init_weights_update_group", bodies)
-        except Exception as exc:
-            raise WeightSyncError(f"init_weights_update_group failed: {exc}") from exc
+        answered: dict[str, Any] = {}
+        servers_done = threading.Event()
+
+        def run_servers():
+            try:
+                answered["value"] = self._checked_all_bodies("init_weights_update_group", bodies)
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                answered["error"] = exc
+            servers_done.set()
+
+        threading.Thread(target=run_servers, name="weight-group-init", daemon=True).start()
+        # whichever side fails first ends the wait (the other can then only time out)
+        while not servers_done.wait(0.05):
+            if done.is_set() and "error" in box:
+                raise WeightSyncError(f"joining the weight-update group failed: "
+                                      f"{box['error']}") from box["error"]
+        if "error" in answered:
+            raise WeightSyncError(f"init_weights_update_group failed: {answered['error']}") \
+                from answered["error"]
         done.wait()
         if "error" in box:
             raise WeightSyncError(f"joining the weight-update group failed: {box['error']}") \
@@ -413,9 +430,10 @@ class DistributedWeightSender:
             self.client.weight_versions()
         except Exception as exc:
             raise WeightSyncError(f"cannot reach the SGLang servers: {exc}") from exc
-        # a fresh name per group: after a failed push the servers may still hold the old one
-        self._generation += 1
-        self.group_name = f"{self.base_group_name}_{self._generation}"
+        # a fresh name per group, unique in this process (torch refuses a second group of one
+        # name) and for the servers (after a failed push they may still hold the old one)
+        self._generation = next(_GROUP_IDS)
+        self.group_name = f"{self.base_group_name}_{os.getpid()}_{self._generation}"
         t0 = time.perf_counter()
         self.pg = self.client.init_weights_update_group(
             self.master_address, self.master_port, self.group_name, rank_offsets=offsets,

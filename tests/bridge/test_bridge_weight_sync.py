@@ -122,3 +122,19 @@ def test_without_the_api_key_nothing_is_accepted(two_servers):
                                      backend="gloo", server_tp_sizes=[1, 1], timeout_s=20)
     with pytest.raises(WeightSyncError, match="401"):
         sender.push(iter(_weights(5)), "evil")
+
+
+def test_two_senders_in_one_process_get_their_own_groups(two_servers):
+    """torch refuses a second process group of one name: a new sender (e.g. a restarted driver
+    component) must not reuse the name of one that was never closed."""
+    servers, key = two_servers
+    client = SGLangEngine([s.url for s in servers], top_logprobs=5, api_key=key, timeout_s=30)
+    first, second = (DistributedWeightSender(client, master_address="127.0.0.1",
+                                             master_port=_port(), backend="gloo", timeout_s=120)
+                     for _ in range(2))
+    first.push(iter(_weights(9)), "w1")
+    second.push(iter(_weights(10)), "w2")  # `first` still holds its group
+    assert first.group_name != second.group_name
+    assert client.weight_versions() == ["w2", "w2"]
+    second.close()
+    first.close()
