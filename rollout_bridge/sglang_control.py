@@ -153,9 +153,10 @@ class SGLangControl(SGLangHTTP):
         need (scheduler_components/weight_updater.py:187-199, :309)."""
         self._checked_all("begin_weight_update", {"selector": selector})
 
-    def end_weight_update(self, selector: str = "all") -> None:
-        """POST /end_weight_update: closes the session (finalises quantised weights)."""
-        self._checked_all("end_weight_update", {"selector": selector})
+    def end_weight_update(self) -> None:
+        """POST /end_weight_update: closes the session (finalises quantised weights). The body
+        is empty: EndWeightUpdateReqInput has no fields (io_struct.py:2208 (0.5.23))."""
+        self._checked_all("end_weight_update", {})
 
     def flush_cache(self) -> None:
         self._control_all("flush_cache", None)

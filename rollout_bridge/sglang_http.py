@@ -53,7 +53,7 @@ ROUTES: dict[str, tuple[str, str]] = {
 }
 
 SUPPORTED_SGLANG = ("0.5.22", "0.5.23")
-"""The sglang releases the client is checked against (tests/sglang_api; setup.py extra)."""
+"""The sglang releases the client is checked against (tests/sglang_api, both ends)."""
 
 
 class SGLangServerError(RuntimeError):

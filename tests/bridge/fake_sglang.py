@@ -6,8 +6,8 @@ sglang 0.5.22/0.5.23 by tests/sglang_api) plus `/get_model_info`; anything else 
 `{"detail": "Not Found"}` like SGLang's FastAPI app (so `/get_weight_version`, gone since
 0.5.21, is 404 here too). Nothing in it is written from memory:
   * response bodies are built by `sglang_format` (SGLang's formatting, compared against the
-    installed sglang's TokenizerManager by tests/sglang_api and replayed from captured fixtures by
-    test_bridge_fixtures.py): `{"output_ids", "meta_info"}` without "text"
+    installed sglang's TokenizerManager by tests/sglang_api/test_formatting.py): `{"output_ids",
+    "meta_info"}` without "text"
     (`--skip-tokenizer-init`), prompt-side rows starting with a null row at `logprob_start_len`;
   * requests are checked by `sglang_rules` (the same table goes through the real handler in
     tests/sglang_api): 400 with SGLang's three error shapes, 401 `{"error": "Unauthorized"}`

@@ -17,8 +17,7 @@ the `sglang` package; line numbers of 0.5.23):
     (srt/managers/scheduler_components/logprob_result_processor.py:38/66/80).
 
 tests/sglang_api/test_formatting.py feeds the same arrays to the installed sglang's real
-TokenizerManager + HTTP handler and requires identical bodies; test_bridge_fixtures.py replays the
-bodies captured from it (tests/sglang_api/fixtures/) against these functions without sglang.
+TokenizerManager + HTTP handler and requires identical bodies (both supported versions).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The request checks of SGLang's HTTP server, for the fake server (what a real one refuses).
 
 Each rule restates a check of sglang 0.5.22/0.5.23 (paths relative to `sglang`, 0.5.23 lines);
-tests/sglang_api/test_validation.py runs the same table of requests through the installed
+tests/sglang_api/test_api.py runs the same table of requests through the installed
 sglang's real HTTP app and TokenizerManager and requires the same HTTP status and error shape
 from `check_generate` for every case:
   * shape "pydantic": the body does not parse into GenerateReqInput -> 400
@@ -10,13 +10,17 @@ from `check_generate` for every case:
   * shape "contract": api_contract.generate_contract_error (unknown sampling_params keys, wrong
     types) -> 400 {"error": "<text>"} (http_server.py:937);
   * shape "value": ValueError in the tokenizer manager (normalize_batch_and_arguments,
-    SamplingParams.normalize/verify) -> 400 {"error": {"message": "<text>"}} (:2246).
+    SamplingParams.normalize/verify) -> 400 {"error": {"message": "<text>"}} (:2246);
+  * shape "stream": the same ValueError with stream=true -> HTTP 200 with one SSE error event
+    and `data: [DONE]` (http_server.py:949-975).
 Control bodies: msgspec structs, unknown keys ignored, missing fields -> shape "pydantic".
 The weight-update session (scheduler_components/weight_updater.py:187-199, 309-330) and the API
 key (utils/auth.py:74-213) are in `Session` / `auth_ok`.
 """
 
 from __future__ import annotations
+
+import json
 
 SAMPLING_FIELDS = {
     "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k",
@@ -48,6 +52,10 @@ class Rejected(Exception):
             return {"error": "Unauthorized"}
         if self.shape == "not_found":
             return {"detail": "Not Found"}
+        if self.shape == "stream":
+            event = {"error": {"message": self.message, "type": "invalid_request_error",
+                               "code": 400, "retryable": False}}
+            return "data: " + json.dumps(event, separators=(",", ":")) + "\n\ndata: [DONE]\n\n"
         return {"error": {"message": self.message}}
 
 
@@ -57,6 +65,8 @@ def error_shape(status: int, body) -> str:
         return "unauthorized"
     if status == 404:
         return "not_found"
+    if status == 200 and isinstance(body, str) and body.startswith('data: {"error"'):
+        return "stream"
     if isinstance(body, dict) and body.get("object") == "error":
         return "pydantic"
     if isinstance(body, dict) and isinstance(body.get("error"), str):
@@ -107,8 +117,9 @@ def check_generate(body, vocab_size: int) -> None:
     flat = body.get("return_flat_raw_top_logprobs") or \
         body.get("return_flat_raw_output_top_logprobs")
     if body.get("return_flat_raw_output_top_logprobs") and body.get("stream"):
-        raise Rejected("value", "return_flat_raw_output_top_logprobs does not support "
-                       "streaming.")
+        # raised inside the stream generator: HTTP 200 + one SSE error event (http_server.py:949)
+        raise Rejected("stream", "return_flat_raw_output_top_logprobs is only set on the "
+                       "finished response and does not support stream=True.", status=200)
     if body.get("return_flat_raw_top_logprobs_b64") and not flat:
         raise Rejected("value", "return_flat_raw_top_logprobs_b64 requires "
                        "return_flat_raw_top_logprobs or return_flat_raw_output_top_logprobs.")
