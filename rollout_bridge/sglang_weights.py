@@ -491,24 +491,24 @@ class DistributedWeightSender:
     def _send(self, pool, bucket: Bucket, inflight, *, last: bool, version: str):
         import torch.distributed as dist
 
-        self._wait(inflight)  # the servers take one bucket at a time
         body = self.client.distributed_update_body(
             bucket.names, [bucket.dtype] * len(bucket.names),
             [list(t.shape) for t in bucket.tensors], self.group_name,
             load_format=self.load_format, weight_version=version if last else None,
             flush_cache=self.client._flush(None) if last else False)
+        # flattened while the previous bucket is still on the wire: [bytes] uint8
+        payloads = [bucket.flat()] if self.load_format == "flattened_bucket" else \
+            [t.contiguous() for t in bucket.tensors]
+        self._wait(inflight)  # the servers take one bucket at a time
         fut = pool.submit(self.client.post_distributed_update, body)
         # Collective (weight-update group, async): rank 0 -> every server rank, received by
-        # SGLang's `receive_weights_from_distributed` for the body just posted.
-        if self.load_format == "flattened_bucket":  # one uint8 broadcast of the bucket's bytes
-            works = [dist.broadcast(bucket.flat(), src=0, group=self.pg, async_op=True)]
-        else:  # one broadcast per tensor, in `names` order
-            works = [dist.broadcast(t.contiguous(), src=0, group=self.pg, async_op=True)
-                     for t in bucket.tensors]
+        # SGLang's `receive_weights_from_distributed` for the body just posted: one uint8
+        # broadcast of the bucket's bytes (flattened_bucket) or one per tensor in `names` order.
+        works = [dist.broadcast(p, src=0, group=self.pg, async_op=True) for p in payloads]
         self.stats["buckets"] += 1
         self.stats["tensors"] += len(bucket.names)
         self.stats["bytes"] += bucket.nbytes
-        return fut, works, bucket
+        return fut, works, payloads
 
     def _wait(self, inflight) -> None:
         if inflight is None:
