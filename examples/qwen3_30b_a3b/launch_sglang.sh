@@ -2,9 +2,15 @@
 # SGLang rollout servers for PDM on Qwen3-30B-A3B, matching the trainer's model settings.
 #
 # Hardware: one 8-GPU node per server (ENGINES servers on consecutive ports).
-# Prerequisites: sglang installed; the HF checkpoint (BF16, or FP8 blockwise for FP8 rollout
-#   with ROLLOUT_PRECISION=fp8: pass the Qwen3-30B-A3B-FP8 directory, or run with
-#   --quantization fp8 to quantise on load). Weights are refreshed by the trainer each iteration.
+# Prerequisites: sglang 0.5.22-0.5.23 installed; the BF16 HF checkpoint. ROLLOUT_PRECISION=fp8
+#   adds --quantization fp8: SGLang quantises the BF16 weights on load (and on every weight
+#   update) with one scale per tensor (per expert), which is what the trainer's local simulation
+#   does with rollout.fp8_scales=tensor (the default). An FP8 checkpoint (Qwen3-30B-A3B-FP8)
+#   carries 128x128 block scales instead (rollout.fp8_scales=block128).
+#   Weights are refreshed by the trainer each iteration (train_pdm.sh WEIGHT_SYNC).
+# Access: the weight-update and pause routes let whoever reaches a server replace the policy.
+#   Every server requires PDM_SGLANG_API_KEY (--api-key; the trainer sends it) and binds to HOST
+#   (default loopback; set it to this node's private interface, never a public one).
 # The trainer sends token ids (no tokenizer on the server: --skip-tokenizer-init) and asks for
 #   top-K logprobs (rollout.top_logprobs in pdm.yaml), so the returned logprobs are over the full vocab.
 set -euo pipefail
@@ -17,6 +23,8 @@ SGLANG_EP="${SGLANG_EP:-8}"
 CONTEXT_LENGTH="${CONTEXT_LENGTH:-8192}"
 ROLLOUT_PRECISION="${ROLLOUT_PRECISION:-bf16}"
 LOG_DIR="${LOG_DIR:-runs/qwen3_30b_a3b_pdm/sglang}"
+HOST="${HOST:-127.0.0.1}"
+: "${PDM_SGLANG_API_KEY:?set PDM_SGLANG_API_KEY (the servers refuse every request without it)}"
 mkdir -p "${LOG_DIR}"
 
 # model and parallelism: same architecture as model.sh; experts spread over EP ranks
@@ -24,7 +32,7 @@ MODEL_ARGS=(
     --model-path "${HF_CKPT}" --tp-size "${SGLANG_TP}" --ep-size "${SGLANG_EP}"
     --context-length "${CONTEXT_LENGTH}" --dtype bfloat16
 )
-# precision: FP8 rollout weights (blockwise e4m3) when the trainer uses rollout_precision=fp8
+# precision: FP8 rollout weights (online per-tensor e4m3) when the trainer uses rollout_precision=fp8
 PRECISION_ARGS=()
 if [[ "${ROLLOUT_PRECISION}" == "fp8" ]]; then
     PRECISION_ARGS=(--quantization fp8)
@@ -38,10 +46,10 @@ pids=()
 for ((i = 0; i < ENGINES; i++)); do
     port=$((BASE_PORT + i))
     python -m sglang.launch_server "${MODEL_ARGS[@]}" "${PRECISION_ARGS[@]}" \
-        "${SERVING_ARGS[@]}" --host 0.0.0.0 --port "${port}" \
+        "${SERVING_ARGS[@]}" --api-key "${PDM_SGLANG_API_KEY}" --host "${HOST}" --port "${port}" \
         > "${LOG_DIR}/server_${port}.log" 2>&1 &
     pids+=("$!")
-    echo "SGLang server ${i}: http://$(hostname):${port} (pid $!)"
+    echo "SGLang server ${i}: http://${HOST}:${port} (pid $!)"
 done
 # stop only the servers started here, by pid
 trap 'kill "${pids[@]}" 2>/dev/null || true' INT TERM

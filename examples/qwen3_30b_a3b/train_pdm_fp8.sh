@@ -13,8 +13,9 @@
 #            --tp 4 --ep 8 --key-style te
 #      and verified: python tools/verify_conversion.py --hf-dir ... --megatron-dir $MCORE_CKPT
 #      ($MCORE_CKPT is Megatron-LM's --load layout: release/ + latest_checkpointed_iteration.txt);
-#   3. SGLang servers up at $SGLANG_URL serving the same weights (launch_sglang.sh), able to
-#      read $SYNC_DIR (shared file system) where the trainer writes each weight version;
+#   3. SGLang servers up at $SGLANG_URL serving the same weights (launch_sglang.sh, same
+#      $PDM_SGLANG_API_KEY), able to reach $MASTER_ADDR (weight sync over NCCL), or, with
+#      WEIGHT_SYNC=disk, to read $SYNC_DIR (shared file system);
 #   4. prompts at $PROMPTS (JSONL, {"prompt": ..., "answer": ...}).
 # Expected memory per GPU, as printed by `bash train_pdm_fp8.sh --dry-run` (megatron_pdm.layout;
 #   TP4 EP8 PP1, bf16 + FP8 copies of the linear weights, distributed optimizer, full recompute,
@@ -42,6 +43,7 @@ HF_CKPT="${HF_CKPT:-/checkpoints/Qwen3-30B-A3B}"
 SYNC_DIR="${SYNC_DIR:-/checkpoints/qwen3-30b-a3b-pdm-sync}"
 PROMPTS="${PROMPTS:-/data/prompts.jsonl}"
 SGLANG_URL="${SGLANG_URL:-http://127.0.0.1:30000}"
+WEIGHT_SYNC="${WEIGHT_SYNC:-distributed}"
 SEQ_LENGTH="${SEQ_LENGTH:-8192}"
 LOG_DIR="${LOG_DIR:-runs/qwen3_30b_a3b_pdm/logs}"
 
@@ -69,9 +71,13 @@ CHECKPOINT_ARGS=(
 )
 # rollout: SGLang servers holding the same model, top-K logprobs returned for the PDM mask
 ROLLOUT_ARGS=(
-# (the trainer writes HF safetensors of each weight version to SYNC_DIR/v<N>, a directory the
-# servers can read, and calls /update_weights_from_disk; HF_CKPT itself is never written)
+# weight sync without disk (WEIGHT_SYNC=distributed): trainer rank 0 (on MASTER_ADDR, which every
+# server must reach) gathers the live model and broadcasts it to the servers over NCCL;
+# WEIGHT_SYNC=disk writes HF safetensors to SYNC_DIR/v<N> (readable by the servers) instead.
+# The servers' API key is read from $PDM_SGLANG_API_KEY (the same value launch_sglang.sh uses).
     --set rollout.engine=sglang --set "rollout.sglang_url=${SGLANG_URL}"
+    --set "rollout.weight_sync=${WEIGHT_SYNC}" --set rollout.weight_sync_backend=nccl
+    --set "rollout.weight_sync_master_addr=${MASTER_ADDR}"
     --set "rollout.hf_checkpoint=${SYNC_DIR}" --set "rollout.max_sequence_length=${SEQ_LENGTH}"
 )
 # data: JSONL prompts {"prompt", "answer"}, tokenized with the HF checkpoint's tokenizer

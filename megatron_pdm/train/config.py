@@ -115,6 +115,11 @@ class RolloutConfig:
     """Weights of the rollout copy: None/"fp32" (identical to training), "bf16" or "fp8". With a
     server engine: the dtype of the exported weights (fp8 exports bf16 and the server quantises
     on load, `launch_sglang.sh ROLLOUT_PRECISION=fp8`)."""
+    fp8_scales: Literal["tensor", "block128"] = "tensor"
+    """rollout_precision=fp8 with the local engine: the simulated FP8 scales. "tensor" (one scale per
+    weight tensor, i.e. per expert) is what SGLang's `--quantization fp8` gives a BF16 checkpoint
+    when it quantises on load (online, per tensor; `launch_sglang.sh`); "block128" (128x128 block
+    scales) is what an FP8 checkpoint (e.g. Qwen3-30B-A3B-FP8) carries."""
     engine: Literal["local", "sglang", "vllm"] = "local"
     """"local": LocalEngine over a megatron copy on every rank (CPU demo); "sglang" / "vllm":
     rank 0 requests rollouts from SGLang servers / a vLLM server and broadcasts them."""

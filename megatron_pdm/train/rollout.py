@@ -78,18 +78,19 @@ def build_rollout(cfg, arch, tconfig, task, trainer_module_fn, *, meta: dict | N
     rollout_gpt = build_model(arch, tconfig, use_te=ms.use_te(cfg))
     engine = build_engine(rollout_gpt, vocab_size=arch.vocab_size, top_logprobs=r.top_logprobs,
                           seed=cfg.seed, rollout_precision=r.rollout_precision,
-                          eos_id=task.eos_id, pad_id=task.pad_id, tp_size=cfg.parallel.tp)
+                          eos_id=task.eos_id, pad_id=task.pad_id, tp_size=cfg.parallel.tp,
+                          fp8_block_size=None if r.fp8_scales == "tensor" else 128)
     return LocalRollout(engine, trainer_module_fn)
 
 
 def build_engine(rollout_gpt: torch.nn.Module, *, vocab_size: int, top_logprobs: int,
                  seed: int, rollout_precision: str | None, eos_id: int, pad_id: int,
-                 tp_size: int) -> LocalEngine:
+                 tp_size: int, fp8_block_size: int | None = None) -> LocalEngine:
     model = GatheredGPT(rollout_gpt, pad_id=pad_id, tp_size=tp_size).eval()
     # Precision is applied by every update_weights; the trainer syncs before the first rollout.
     engine = LocalEngine(model, vocab_size=vocab_size, top_logprobs=top_logprobs, seed=seed,
                          rollout_precision=None, eos_token_id=eos_id, pad_token_id=pad_id,
-                         max_batch_size=1 << 20)
+                         max_batch_size=1 << 20, fp8_block_size=fp8_block_size)
     engine.rollout_precision = rollout_precision
     return engine
 

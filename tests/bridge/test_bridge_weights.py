@@ -57,3 +57,25 @@ def test_save_and_load_sharded(tmp_path):
     assert torch.equal(loaded["layer.2.weight"].float(), round_to_bf16(sd["layer.2.weight"]))
     assert torch.equal(loaded["step"], sd["step"])
     assert not any(f.endswith(".tmp") for f in files)
+
+
+def test_driver_engine_simulates_sglangs_online_fp8_scales():
+    """SGLang's `--quantization fp8` on a BF16 checkpoint quantises per tensor (per expert) on load;
+    the driver's local engine simulates that by default (rollout.fp8_scales="tensor") and 128x128
+    blocks only when asked (an FP8 checkpoint's scales)."""
+    from megatron_pdm.train.config import RolloutConfig
+    from megatron_pdm.train.rollout import build_engine
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(256, 256, bias=False)
+    with torch.no_grad():
+        lin.weight[:128, :128] *= 50  # one block with a much larger range than the rest
+    weight = lin.weight.detach().clone()
+    assert RolloutConfig().fp8_scales == "tensor"
+    for scales, block in (("tensor", None), ("block128", 128)):
+        engine = build_engine(lin, vocab_size=256, top_logprobs=2, seed=0, rollout_precision="fp8",
+                              eos_id=0, pad_id=0, tp_size=1,
+                              fp8_block_size=None if scales == "tensor" else 128)
+        engine.update_weights({"gpt.weight": weight}, version="1")
+        assert torch.equal(engine.model.gpt.weight, fake_quant_fp8(weight, block)), scales
+    assert not torch.equal(fake_quant_fp8(weight, None), fake_quant_fp8(weight, 128))
