@@ -271,7 +271,7 @@ class SGLangEngine(SGLangWeightSync):
                                     timeout=timeout) as resp:
                 raw = await resp.read()
                 status = resp.status
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise _AttemptError("timeout", f"{url}: no response within {self.timeout_s}s") \
                 from None
         except aiohttp.ClientError as exc:

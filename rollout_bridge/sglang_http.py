@@ -203,7 +203,7 @@ class SGLangHTTP:
                                        headers=self._headers()) as resp:
                 raw = await resp.read()
                 status = resp.status
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise SGLangServerError(f"{url}: {route}: no answer within {self.control_timeout_s} s",
                                     url=url, route=route) from None
         except aiohttp.ClientError as exc:

@@ -147,7 +147,7 @@ class SGLangRollout(ServerRollout):
                     stats["digest"] = hashlib.sha256("".join(sorted(digests)).encode()
                                                      ).hexdigest()
                 box[0] = ("ok", stats)
-            except Exception as exc:  # noqa: BLE001 - re-raised on every rank
+            except Exception as exc:
                 logger.exception("weight sync to version %s failed", version)
                 box[0] = ("error", f"{type(exc).__name__}: {exc}")
             finally:

@@ -40,19 +40,18 @@ import time
 import zlib
 from collections.abc import Callable
 
-import numpy as np
 import orjson
 import torch
 from aiohttp import web
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
 
-import sglang_format as fmt  # noqa: E402
-import sglang_rules as rules  # noqa: E402
+import sglang_format as fmt
+import sglang_rules as rules
 
-from rollout_bridge import LocalEngine  # noqa: E402
-from rollout_bridge.sglang_http import ROUTES  # noqa: E402
-from rollout_bridge.weights import state_digest  # noqa: E402
+from rollout_bridge import LocalEngine
+from rollout_bridge.sglang_http import ROUTES
+from rollout_bridge.weights import state_digest
 
 _RID = re.compile(r"-p(\d+)-s(\d+)-a(\d+)")
 

@@ -29,7 +29,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path[:0] = [str(HERE), str(ROOT / "tests" / "bridge")]
 
-from fake_proc import sglang_pythonpath  # noqa: E402
+from fake_proc import sglang_pythonpath
 
 VERSIONS = ("0.5.22", "0.5.23")
 KEY_ENV = "PDM_SGLANG_BOX_KEY"

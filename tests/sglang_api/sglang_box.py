@@ -43,7 +43,7 @@ import traceback
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "bridge"), os.path.dirname(__file__)]
 
-import torch  # noqa: E402
+import torch
 
 VOCAB = 50
 
@@ -375,6 +375,7 @@ def validate_generate_body(body: dict, vocab_size: int = VOCAB) -> dict:
 
 
 async def make_report(hs, tm, sched, api_key) -> dict:
+    import cases
     import httpx
     import msgspec
     import pydantic
@@ -383,8 +384,6 @@ async def make_report(hs, tm, sched, api_key) -> dict:
     from sglang.srt.managers import io_struct as io
     from sglang.srt.sampling.sampling_params import SamplingParams
     from sglang.srt.server_args import ServerArgs
-
-    import cases
 
     rep: dict = {"version": sglang.__version__, "sglang_file": sglang.__file__}
     rep["routes"] = _routes(hs.app)
@@ -472,10 +471,10 @@ def build(model_dir: str, api_key: str | None, log, seed: int = 1):
     sa = ServerArgs(model_path=model_dir, skip_tokenizer_init=True, device="cpu",
                     weight_version="0", api_key=api_key)
     publish(sa, role="tokenizer")
+    from conftest import TinyLM  # tests/bridge
     from sglang.srt.entrypoints import http_server as hs
     from sglang.srt.managers.tokenizer_manager import ServerStatus, TokenizerManager
 
-    from conftest import TinyLM  # tests/bridge
     from rollout_bridge import LocalEngine
 
     tm = TokenizerManager(sa, PortArgs.init_new(sa))
@@ -520,8 +519,8 @@ def main(argv=None):
                 f.write(json.dumps(entry, default=str) + "\n")
 
     key = os.environ.get(args.api_key_env) if args.api_key_env else None
-    hs, tm, engine, startup, state = build(write_model_dir(os.path.join(workdir, "model")), key,
-                                       log, seed=args.seed)
+    hs, tm, _engine, startup, state = build(write_model_dir(os.path.join(workdir, "model")), key,
+                                        log, seed=args.seed)
     import uvicorn
 
     port = free_port()
