@@ -11,7 +11,10 @@ same ordering and versioning rules, so the trainer cannot tell them apart.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
+from collections.abc import Coroutine
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -53,6 +56,41 @@ class RolloutEngine(Protocol):
         ...
 
 
+class AttemptError(Exception):
+    """One failed HTTP attempt of a server engine (kind: timeout, connection, http, malformed,
+    abort, invalid); `retryable` says whether the retry loop may send it again."""
+
+    def __init__(self, kind: str, message: str, retryable: bool = True):
+        super().__init__(message)
+        self.kind, self.retryable = kind, retryable
+
+
+def run_sync(coro: Coroutine) -> Any:
+    """Runs a coroutine to completion, also when called from inside a running event loop (then in
+    a helper thread with its own loop). Shared by the HTTP engines' synchronous entry points."""
+    try:
+        asyncio.get_running_loop()
+        in_loop = True
+    except RuntimeError:
+        in_loop = False
+    if not in_loop:  # (outside the except block: no chained "no running event loop" context)
+        return asyncio.run(coro)
+    box: dict[str, Any] = {}
+
+    def target():
+        try:
+            box["value"] = asyncio.run(coro)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
 # Sampling params that change the logits before sampling (penalties, logit bias, grammar masks,
 # forced minimum length, custom processors, watermarks): with any of them the engine's returned
 # logprobs are those of the modified distribution, which the trainer cannot reproduce from the
@@ -68,7 +106,7 @@ LOGIT_MODIFIERS: dict[str, object] = {
 }
 
 
-def _is_neutral(key: str, value, neutral) -> bool:
+def _is_neutral(value, neutral) -> bool:
     if value is None or (isinstance(value, (dict, list, str)) and not value):
         return True
     if isinstance(neutral, float):
@@ -105,7 +143,7 @@ def check_sampling_params(params: dict, allow_truncated_sampling: bool = False) 
     if not temperature >= 0 or temperature == float("inf"):
         raise SamplingParamsError(f"temperature must be finite and >= 0, got {temperature}")
     modified = [f"{k}={params[k]!r}" for k, neutral in LOGIT_MODIFIERS.items()
-                if k in params and not _is_neutral(k, params[k], neutral)]
+                if k in params and not _is_neutral(params[k], neutral)]
     if modified:
         raise SamplingParamsError(
             "sampling params " + ", ".join(modified) + " change the logits before sampling: the "

@@ -52,10 +52,11 @@ import aiohttp
 import torch
 
 from rollout_bridge.decode import MalformedResponseError, loads
-from rollout_bridge.engine import LOGIT_MODIFIERS, assemble_batch, check_sampling_params
+from rollout_bridge.engine import LOGIT_MODIFIERS, assemble_batch, check_sampling_params, run_sync
+from rollout_bridge.engine import AttemptError as _AttemptError
 from rollout_bridge.parse import parse_response_object
 from rollout_bridge.parse_flat import parse_scoring_response
-from rollout_bridge.sglang_http import ROUTES, _AttemptError, error_message, run_sync
+from rollout_bridge.sglang_http import ROUTES, error_message
 from rollout_bridge.sglang_weights import SGLangWeightSync
 from rollout_bridge.types import (
     RolloutBatch,

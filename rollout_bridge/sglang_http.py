@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-import threading
-from collections.abc import Coroutine, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
 
 from rollout_bridge.decode import MalformedResponseError, loads
+from rollout_bridge.engine import run_sync
 
 # Every (method, path) the client sends, by purpose. tests/sglang_api checks each against the
 # installed sglang's HTTP app (both supported versions); tests/bridge/fake_sglang.py serves them.
@@ -66,14 +66,6 @@ class SGLangServerError(RuntimeError):
     def __init__(self, message: str, *, url: str, route: str, status: int | None = None):
         super().__init__(message)
         self.url, self.route, self.status = url, route, status
-
-
-class _AttemptError(Exception):
-    """One failed /generate attempt (kind: timeout, connection, http, malformed, abort, invalid)."""
-
-    def __init__(self, kind: str, message: str, retryable: bool = True):
-        super().__init__(message)
-        self.kind, self.retryable = kind, retryable
 
 
 class ApiKey:
@@ -136,28 +128,6 @@ def error_message(raw: bytes) -> str:
             if key in obj:
                 return str(obj[key])[:500]
     return str(obj)[:300]
-
-
-def run_sync(coro: Coroutine) -> Any:
-    """Runs a coroutine to completion, also when called from inside a running event loop."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    result: dict[str, Any] = {}
-
-    def target():
-        try:
-            result["value"] = asyncio.run(coro)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
-            result["error"] = exc
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join()
-    if "error" in result:
-        raise result["error"]
-    return result["value"]
 
 
 class SGLangHTTP:

@@ -21,49 +21,20 @@ routes answer without it is refused unless it is on a loopback address or
 
 from __future__ import annotations
 
-import asyncio
 import ipaddress
 import logging
-import threading
 import urllib.parse
 from typing import Any
 
 import aiohttp
 
 from rollout_bridge.decode import MalformedResponseError, loads
+from rollout_bridge.engine import AttemptError as _AttemptError
+from rollout_bridge.engine import run_sync as _run_sync
 from rollout_bridge.types import EngineMismatchError
 
 logger = logging.getLogger(__name__)
 
-class _AttemptError(Exception):
-    def __init__(self, kind: str, message: str, retryable: bool = True):
-        super().__init__(message)
-        self.kind, self.retryable = kind, retryable
-
-
-def _run_sync(coro) -> Any:
-    """Runs a coroutine to completion, also when called from inside a running event loop."""
-    try:
-        asyncio.get_running_loop()
-        in_loop = True
-    except RuntimeError:
-        in_loop = False
-    if not in_loop:  # (outside the except block: no chained "no running event loop" context)
-        return asyncio.run(coro)
-    box: dict[str, Any] = {}
-
-    def target():
-        try:
-            box["value"] = asyncio.run(coro)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
-            box["error"] = exc
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join()
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
 
 def is_loopback_url(url: str) -> bool:
     host = urllib.parse.urlsplit(url).hostname or ""
