@@ -197,5 +197,10 @@ def state_digest(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
     """Order-independent digest of (name, tensor) pairs (sha256 over the sorted per-tensor
     digests), computable while streaming: the trainer hashes what it sends, a server what it
     received, and equal digests mean bit-identical weights under identical names."""
-    parts = sorted(tensor_digest(n, t) for n, t in named_tensors)
-    return hashlib.sha256("".join(parts).encode()).hexdigest()
+    return combine_digests(tensor_digest(n, t) for n, t in named_tensors)
+
+
+def combine_digests(tensor_digests: Iterable[str]) -> str:
+    """The state digest from per-tensor `tensor_digest`s (any order), for callers that hash
+    tensors one by one while streaming them elsewhere."""
+    return hashlib.sha256("".join(sorted(tensor_digests)).encode()).hexdigest()

@@ -299,6 +299,8 @@ def run_study(a: StudyArgs) -> dict | None:
                      seconds_per_seed=sum(seed_times) / len(seed_times),
                      seed_seconds=seed_times)
         result = write_outputs(a, setup, per_seed, tokens, criteria, cfg.loss.ratio_cap)
+    # Barrier (all ranks): no rank returns (and may tear the group down) before rank 0 has
+    # written the outputs.
     dist.barrier()
     return result
 

@@ -130,9 +130,9 @@ class SGLangRollout(ServerRollout):
         if dist.get_rank() == 0:
             digests: list[str] | None = [] if r.weight_sync_digest else None
 
-            def named():
-                from rollout_bridge.weights import tensor_digest
+            from rollout_bridge.weights import combine_digests, tensor_digest
 
+            def named():
                 for _, group in groups:
                     for name, tensor in group.items():
                         if digests is not None:
@@ -142,10 +142,7 @@ class SGLangRollout(ServerRollout):
             try:
                 stats = self.sender.push(named(), str(version))
                 if digests is not None:
-                    import hashlib
-
-                    stats["digest"] = hashlib.sha256("".join(sorted(digests)).encode()
-                                                     ).hexdigest()
+                    stats["digest"] = combine_digests(digests)
                 box[0] = ("ok", stats)
             except Exception as exc:
                 logger.exception("weight sync to version %s failed", version)
