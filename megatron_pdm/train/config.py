@@ -252,6 +252,10 @@ class TrainConfig:
     """Optimizer steps per rollout batch; steps after the first are off-policy (stale)."""
     microbatches_per_minibatch: int = 1
     lr: float = 3e-4
+    lr_warmup_steps: int = 0
+    """RL optimizer steps over which the learning rate rises linearly to `lr` (step k of the RL
+    phase, counted from 0, uses lr * min(1, (k + 1) / lr_warmup_steps); 0 = constant `lr`). RL
+    starts with a fresh Adam state, whose first steps move every parameter by about `lr`."""
     weight_decay: float = 0.0
     clip_grad: float = 1.0
     adam_beta1: float = 0.9
@@ -266,7 +270,8 @@ class TrainConfig:
         check_fields(self, "train")
         _positive("train", self, "iterations", "minibatches_per_iteration",
                   "microbatches_per_minibatch", "lr")
-        _positive("train", self, "weight_decay", "clip_grad", "eval_prompts", allow_zero=True)
+        _positive("train", self, "weight_decay", "clip_grad", "eval_prompts", "lr_warmup_steps",
+                  allow_zero=True)
         for name in ("adam_beta1", "adam_beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"train.{name}={getattr(self, name)} must be in [0, 1)")

@@ -5,6 +5,8 @@ micro-batches (1F1B when PP > 1, plain forward/backward otherwise) and steps the
 micro-batch is any object with `tokens` and `position_ids` tensors `[b, s]` (the RL
 `PackedBatch`, the warm-up's `SftBatch`); `loss_func_of(mb)` returns megatron's loss_func for it.
 
+`rl_lr` is the RL phase's learning rate at a given optimizer step (linear warm-up, then constant).
+
 `reduce_step_metrics` turns the per-micro-batch `[sum, count]` metrics of the last pipeline stage
 into means over data-parallel ranks and hands them to every stage.
 """
@@ -55,6 +57,15 @@ def optimizer_step(model, optimizer, microbatches: list[MicroBatch],
         forward_only=False)
     _, grad_norm, _ = optimizer.step()
     return store, float(grad_norm) if grad_norm is not None else float("nan")
+
+
+def rl_lr(train_cfg, step: int) -> float:
+    """Learning rate of RL optimizer step `step` (0-based): `train.lr` after a linear warm-up of
+    `train.lr_warmup_steps` steps (step k uses lr * (k + 1) / lr_warmup_steps)."""
+    warm = train_cfg.lr_warmup_steps
+    if warm <= 0 or step >= warm:
+        return train_cfg.lr
+    return train_cfg.lr * (step + 1) / warm
 
 
 def reduce_step_metrics(store: list[dict], *, dp_group, is_last_stage: bool,

@@ -60,7 +60,7 @@ from megatron_pdm.train.logging_utils import (
     log_rank0,
     wandb_init_kwargs,
 )
-from megatron_pdm.train.schedule import optimizer_step, reduce_step_metrics
+from megatron_pdm.train.schedule import optimizer_step, reduce_step_metrics, rl_lr
 from megatron_pdm.train.task import build_task
 from rollout_bridge.packing import pack_padded
 from rollout_bridge.types import group_advantages
@@ -239,7 +239,7 @@ class Trainer:
         log_rank0("warm-up: %d supervised steps, final CE %.4f, %.1f s", done, loss,
                   time.time() - t0)
         wu.drop_optimizer_state(self.optimizer)
-        mopt.set_lr(self.optimizer, self.cfg.train.lr)
+        mopt.set_lr(self.optimizer, rl_lr(self.cfg.train, self.step))
 
     def rl_iteration(self, writer: MetricsWriter) -> dict:
         """Rollout, advantages, `minibatches_per_iteration` optimizer steps, weight sync."""
@@ -264,6 +264,8 @@ class Trainer:
         for j, idx in enumerate(minibatches):
             t1 = time.time()
             mbs = [packed.select_rows(m) for m in self._dp_microbatches(idx)]
+            lr = rl_lr(cfg.train, self.step)
+            mopt.set_lr(self.optimizer, lr)
             means, grad_norm = self._step(
                 mbs, lambda mb: loss_adapter.make_loss_func(mb, cfg.loss))
             self.step += 1
@@ -271,7 +273,7 @@ class Trainer:
                     M.REWARD_MEAN: sum(rewards) / len(rewards),
                     M.REWARD_FRAC_SOLVED_GROUPS: _frac_solved(rewards, r.group_size),
                     M.RESPONSE_LEN: float(packed.loss_mask.sum()) / len(batch.samples),
-                    M.LR: cfg.train.lr, M.GRAD_NORM: grad_norm, **means,
+                    M.LR: lr, M.GRAD_NORM: grad_norm, **means,
                     M.WEIGHT_VERSION: version, M.STALENESS: staleness,
                     M.TIME_ROLLOUT: t_rollout if j == 0 else 0.0,
                     M.TIME_TRAIN_STEP: time.time() - t1, M.NUM_SAMPLES: len(batch.samples),
@@ -310,7 +312,7 @@ class Trainer:
             log_rank0("--resume: no checkpoint in %s, starting fresh", self.ckpt_dir)
             return False
         self.load_train_state(ckpt.load_checkpoint(path, self.model, self.optimizer))
-        mopt.set_lr(self.optimizer, self.cfg.train.lr)
+        mopt.set_lr(self.optimizer, rl_lr(self.cfg.train, self.step))
         self.sync_weights()
         log_rank0("resumed from %s at iteration %d (step %d)", path, self.iteration, self.step)
         return True

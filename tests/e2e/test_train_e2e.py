@@ -3,7 +3,7 @@
 - TP=2 (sequence parallel) and EP=2 (DP=2, distributed optimizer sharded over DP) short runs:
   the loop completes, metrics.jsonl has one row per optimizer step with the contract keys, all
   finite, and checkpoints + summary are written.
-- Resume: an uninterrupted run vs. a run that is killed (SIGKILL to the whole torchrun process
+- Resume: an uninterrupted run (inside the RL learning-rate warm-up) vs. a run that is killed (SIGKILL to the whole torchrun process
   group) once its third iteration is logged, then resumed with --resume from the newest complete
   checkpoint. Every non-time metric of every optimizer step must be identical (exact float
   equality: same seed, CPU, same layout), wherever the kill landed.
@@ -73,9 +73,12 @@ def _kill_after_rows(out: str, overrides: list[str], rows: int, timeout: float =
 
 
 def test_resume_after_a_kill_reproduces_uninterrupted_run(tmp_path):
-    common = ["checkpoint.save_interval=2", "loss.preset=pdm-agg", "train.iterations=6"]
+    # the learning-rate warm-up spans every step: a resume must continue it, not restart it
+    common = ["checkpoint.save_interval=2", "loss.preset=pdm-agg", "train.iterations=6",
+              "train.lr=3e-4", "train.lr_warmup_steps=20"]
     full, part = str(tmp_path / "full"), str(tmp_path / "part")
     launch(full, common)
+    assert [r["lr"] for r in _rows(full)] == pytest.approx([3e-4 * k / 20 for k in range(1, 13)])
     _kill_after_rows(part, common, rows=6)  # 3 iterations logged; checkpoint at 2 (or 4)
     assert not os.path.exists(os.path.join(part, "summary.json"))
     launch(part, common, extra=["--resume"])

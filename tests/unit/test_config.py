@@ -147,3 +147,15 @@ def test_cli_prints_config_errors_as_one_line():
     assert "Traceback" not in proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "loss.noise_flor" in lines[0] and "noise_floor" in lines[0]
+
+
+def test_rl_learning_rate_warmup_schedule():
+    from megatron_pdm.train.config import TrainConfig
+    from megatron_pdm.train.schedule import rl_lr
+
+    t = TrainConfig(lr=1e-3, lr_warmup_steps=4)
+    assert [rl_lr(t, k) for k in range(6)] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3,
+                                                            1e-3])
+    assert rl_lr(TrainConfig(lr=1e-3), 0) == 1e-3  # 0 = constant
+    with pytest.raises(ConfigError, match="train.lr_warmup_steps"):
+        TrainConfig(lr_warmup_steps=-1)
