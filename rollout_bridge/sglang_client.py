@@ -52,8 +52,13 @@ import aiohttp
 import torch
 
 from rollout_bridge.decode import MalformedResponseError, loads
-from rollout_bridge.engine import LOGIT_MODIFIERS, assemble_batch, check_sampling_params, run_sync
-from rollout_bridge.engine import AttemptError as _AttemptError
+from rollout_bridge.engine import (
+    LOGIT_MODIFIERS,
+    AttemptError,
+    assemble_batch,
+    check_sampling_params,
+    run_sync,
+)
 from rollout_bridge.parse import parse_response_object
 from rollout_bridge.parse_flat import parse_scoring_response
 from rollout_bridge.sglang_http import ROUTES, error_message
@@ -265,7 +270,7 @@ class SGLangEngine(SGLangWeightSync):
             pending = retry
 
     async def _post(self, session, url: str, payload: dict) -> Any:
-        """POSTs /generate; returns the decoded JSON list or raises `_AttemptError`."""
+        """POSTs /generate; returns the decoded JSON list or raises `AttemptError`."""
         timeout = aiohttp.ClientTimeout(total=self.timeout_s)
         try:
             async with session.post(url + ROUTES["generate"][1], json=payload,
@@ -273,29 +278,29 @@ class SGLangEngine(SGLangWeightSync):
                 raw = await resp.read()
                 status = resp.status
         except TimeoutError:
-            raise _AttemptError("timeout", f"{url}: no response within {self.timeout_s}s") \
+            raise AttemptError("timeout", f"{url}: no response within {self.timeout_s}s") \
                 from None
         except aiohttp.ClientError as exc:
-            raise _AttemptError("connection", f"{url}: {type(exc).__name__}: {exc}") from None
+            raise AttemptError("connection", f"{url}: {type(exc).__name__}: {exc}") from None
         if status != 200:
             retryable = status >= 500 or status in (408, 429)
             hint = " (API key missing or wrong)" if status == 401 else ""
-            raise _AttemptError("http", f"{url}: HTTP {status}{hint}: {error_message(raw)}",
+            raise AttemptError("http", f"{url}: HTTP {status}{hint}: {error_message(raw)}",
                                 retryable)
         loop = asyncio.get_running_loop()
         try:
             obj = await loop.run_in_executor(None, loads, raw)
         except MalformedResponseError as exc:
-            raise _AttemptError("malformed", str(exc)) from None
+            raise AttemptError("malformed", str(exc)) from None
         n_items = len(payload["input_ids"])
         if not isinstance(obj, list) or len(obj) != n_items:
             got = len(obj) if isinstance(obj, list) else type(obj).__name__
-            raise _AttemptError("malformed", f"expected a list of {n_items} responses, got {got}")
+            raise AttemptError("malformed", f"expected a list of {n_items} responses, got {got}")
         return obj
 
     async def _attempt(self, session, url: str, p: int, prompt: list[int], items: list[int],
                        params: dict, temperature: float, rids: list[str]) -> list:
-        """One attempt for samples `items` of prompt p: a sample or an `_AttemptError` each.
+        """One attempt for samples `items` of prompt p: a sample or an `AttemptError` each.
 
         Errors name the sample index j of the call (`items[i]`), never the position i inside
         this (possibly retried) request.
@@ -305,7 +310,7 @@ class SGLangEngine(SGLangWeightSync):
                                               top_logprobs=0 if b64 else self.top_logprobs)
         try:
             objs = await self._post(session, url, payload)
-        except _AttemptError as exc:
+        except AttemptError as exc:
             return [exc] * len(items)
         results: list = []
         for idx, obj in enumerate(objs):
@@ -316,14 +321,14 @@ class SGLangEngine(SGLangWeightSync):
                 sample = parse_response_object(obj, 0 if b64 else self.top_logprobs,
                                                self.vocab_size, j, validate=not b64)
             except MalformedResponseError as exc:
-                results.append(_AttemptError("malformed", f"prompt {p}, {exc}"))
+                results.append(AttemptError("malformed", f"prompt {p}, {exc}"))
                 continue
             except RolloutValidationError as exc:
-                results.append(_AttemptError("invalid", f"prompt {p}, {exc}"))
+                results.append(AttemptError("invalid", f"prompt {p}, {exc}"))
                 continue
             if sample.finish_reason == "abort":
                 message = (sample.meta_info.get("finish_reason_raw") or {})
-                results.append(_AttemptError("abort", f"prompt {p} sample {j} aborted: "
+                results.append(AttemptError("abort", f"prompt {p} sample {j} aborted: "
                                              f"{message}"))
                 continue
             sample.meta_info["rid"] = rids[idx]
@@ -347,7 +352,7 @@ class SGLangEngine(SGLangWeightSync):
         start = time.perf_counter()
         try:
             objs = await self._post(session, url, payload)
-        except _AttemptError as exc:
+        except AttemptError as exc:
             for i in todo:
                 results[i] = exc
             return
@@ -356,7 +361,7 @@ class SGLangEngine(SGLangWeightSync):
                 else None
             want = results[i].meta_info.get("weight_version")
             if got != want:
-                results[i] = _AttemptError("invalid", f"prompt {p} sample {items[i]}: scoring "
+                results[i] = AttemptError("invalid", f"prompt {p} sample {items[i]}: scoring "
                                            f"ran on weight_version {got!r}, generation on "
                                            f"{want!r}")
         # one item at a time, so an error names (and fails) only its own sample
@@ -368,8 +373,8 @@ class SGLangEngine(SGLangWeightSync):
                                        logprob_start_lens=[payload["logprob_start_len"]],
                                        sample_indices=[items[i]])
             except MalformedResponseError as exc:
-                results[i] = _AttemptError("malformed", f"prompt {p}, scoring: {exc}")
+                results[i] = AttemptError("malformed", f"prompt {p}, scoring: {exc}")
             except RolloutValidationError as exc:
-                results[i] = _AttemptError("invalid", f"prompt {p}, scoring: {exc}")
+                results[i] = AttemptError("invalid", f"prompt {p}, scoring: {exc}")
             else:
                 results[i].meta_info["scoring_s"] = time.perf_counter() - start

@@ -35,7 +35,7 @@ import threading
 from typing import Any
 
 from rollout_bridge.decode import MalformedResponseError
-from rollout_bridge.engine import assemble_batch, check_sampling_params
+from rollout_bridge.engine import AttemptError, assemble_batch, check_sampling_params, run_sync
 from rollout_bridge.parse_vllm import parse_completion_choice
 from rollout_bridge.types import (
     EngineMismatchError,
@@ -44,7 +44,6 @@ from rollout_bridge.types import (
     RolloutSample,
     RolloutValidationError,
 )
-from rollout_bridge.vllm_http import _AttemptError, _run_sync
 from rollout_bridge.vllm_weights import VLLMWeightSync, _CallState
 
 logger = logging.getLogger(__name__)
@@ -171,7 +170,7 @@ class VLLMEngine(VLLMWeightSync):
     def generate(self, prompt_ids: list[list[int]], sampling_params: dict | None = None,
                  n: int = 1, *, raise_on_failure: bool | None = None) -> RolloutBatch:
         """Samples n responses per prompt (blocking wrapper of `agenerate`)."""
-        return _run_sync(self.agenerate(prompt_ids, sampling_params, n,
+        return run_sync(self.agenerate(prompt_ids, sampling_params, n,
                                         raise_on_failure=raise_on_failure))
 
     async def agenerate(self, prompt_ids: list[list[int]], sampling_params: dict | None = None,
@@ -207,7 +206,7 @@ class VLLMEngine(VLLMWeightSync):
                                           for o in outcomes.values()):
                 try:
                     final = await self._aweight_version(session)
-                except _AttemptError as exc:
+                except AttemptError as exc:
                     raise EngineMismatchError(
                         f"{self.base_url}: weight version check after the rollouts failed "
                         f"({exc}); the samples cannot be attributed to a version") from None
@@ -290,32 +289,32 @@ class VLLMEngine(VLLMWeightSync):
             async with sem:
                 _, obj = await self._request(session, "POST", "/v1/completions", body=payload,
                                              timeout=self.timeout_s)
-        except _AttemptError as exc:
+        except AttemptError as exc:
             if exc.kind in _SUSPECT_KINDS:
                 state.suspect = True
             return [exc] * len(items)
         choices = obj.get("choices") if isinstance(obj, dict) else None
         if not isinstance(choices, list) or len(choices) != len(items):
             got = len(choices) if isinstance(choices, list) else type(choices).__name__
-            err = _AttemptError("malformed", f"expected {len(items)} choices, got {got}: "
+            err = AttemptError("malformed", f"expected {len(items)} choices, got {got}: "
                                 f"{str(obj)[:200]}")
             return [err] * len(items)
         try:
             choices = sorted(choices, key=lambda c: int(c["index"]))
         except (KeyError, TypeError, ValueError):
-            return [_AttemptError("malformed", "choices without an integer index")] * len(items)
+            return [AttemptError("malformed", "choices without an integer index")] * len(items)
         results: list = []
         for idx, (j, choice) in enumerate(zip(items, choices)):
             try:
                 sample = parse_completion_choice(choice, self.top_logprobs, self.vocab_size, j)
             except MalformedResponseError as exc:
-                results.append(_AttemptError("malformed", str(exc)))
+                results.append(AttemptError("malformed", str(exc)))
                 continue
             except RolloutValidationError as exc:
-                results.append(_AttemptError("invalid", str(exc)))
+                results.append(AttemptError("invalid", str(exc)))
                 continue
             if sample.finish_reason == "abort":
-                results.append(_AttemptError("abort", "aborted by the server (paused with "
+                results.append(AttemptError("abort", "aborted by the server (paused with "
                                              "mode=abort?); partial output dropped"))
                 continue
             sample.meta_info["request_id"] = obj.get("id")

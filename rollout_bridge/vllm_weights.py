@@ -32,8 +32,9 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from rollout_bridge.engine import AttemptError, run_sync
 from rollout_bridge.types import WeightSyncError
-from rollout_bridge.vllm_http import VLLMControl, _AttemptError, _run_sync
+from rollout_bridge.vllm_http import VLLMControl
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ class VLLMWeightSync(VLLMControl):
                                        "version %s again", exc, version)
                 raise AssertionError("unreachable")
 
-        info = _run_sync(run())
+        info = run_sync(run())
         info.update(serialize_s=round(t1 - t0, 6), bytes=len(blob))
         self.last_push_info = info
         return str(version)
@@ -108,7 +109,7 @@ class VLLMWeightSync(VLLMControl):
             try:
                 await self._request(session, "GET", "/health", timeout=10)
                 return True
-            except _AttemptError:
+            except AttemptError:
                 if time.monotonic() >= deadline:
                     return False
                 await asyncio.sleep(min(2.0, max(0.1, deadline - time.monotonic())))
@@ -118,7 +119,7 @@ class VLLMWeightSync(VLLMControl):
         try:
             await self._request(session, "POST", "/pause",
                                 params={"mode": self.pause_mode, "clear_cache": "true"})
-        except _AttemptError as exc:
+        except AttemptError as exc:
             raise WeightSyncError(f"pause before the weight push failed: {exc}") from None
         error: str | None = None
         results: list = []
@@ -133,17 +134,17 @@ class VLLMWeightSync(VLLMControl):
             if error is None:
                 await self._request(session, "POST", "/update_weight_version",
                                     body={"new_version": version})
-        except _AttemptError as exc:
+        except AttemptError as exc:
             error = str(exc)
         finally:
             try:
                 await self._request(session, "POST", "/resume")
-            except _AttemptError as exc:
+            except AttemptError as exc:
                 error = error or f"resume after the weight push failed: {exc}"
         if error is None:
             try:
                 got = await self._aweight_version(session)
-            except _AttemptError as exc:
+            except AttemptError as exc:
                 got, error = None, f"weight version check failed: {exc}"
             if error is None and got != version:
                 error = f"server reports weight version {got!r} after pushing {version!r}"
@@ -195,8 +196,8 @@ class VLLMWeightSync(VLLMControl):
                 return await self._aweight_version(s)
 
         try:
-            got = _run_sync(run())
-        except _AttemptError as exc:
+            got = run_sync(run())
+        except AttemptError as exc:
             raise WeightSyncError(f"weight transfer of version {version} failed: {exc}") from None
         if got != str(version):
             raise WeightSyncError(f"server reports weight version {got!r} after {version!r}")
@@ -207,11 +208,11 @@ class VLLMWeightSync(VLLMControl):
 
     # ------------------------------------------------------------------ restart guard
 
-    async def _ensure_server(self, session, state: _CallState) -> _AttemptError | None:
+    async def _ensure_server(self, session, state: _CallState) -> AttemptError | None:
         """Blocks sends while the server is suspect; None when a request may be sent."""
         while True:
             if state.dead is not None:
-                return _AttemptError("restart", state.dead, retryable=False)
+                return AttemptError("restart", state.dead, retryable=False)
             if not state.suspect:
                 return None
             async with state.lock:
@@ -219,7 +220,7 @@ class VLLMWeightSync(VLLMControl):
                     continue
                 await self._check_restart(session, state)
                 if state.suspect and state.dead is None:
-                    return _AttemptError("connection", f"{self.base_url} is unreachable "
+                    return AttemptError("connection", f"{self.base_url} is unreachable "
                                          "(health check failed)")
 
     async def _check_restart(self, session, state: _CallState) -> None:
@@ -235,7 +236,7 @@ class VLLMWeightSync(VLLMControl):
                 await self._request(session, "GET", "/health", timeout=10)
                 version = await self._aweight_version(session)
                 break
-            except _AttemptError:
+            except AttemptError:
                 if time.monotonic() >= deadline:
                     return
                 await asyncio.sleep(min(2.0, max(0.1, deadline - time.monotonic())))

@@ -238,8 +238,7 @@ class Trainer:
                           "in warmup.steps=%d steps", rule.target, w.steps, level=logging.WARNING)
         log_rank0("warm-up: %d supervised steps, final CE %.4f, %.1f s", done, loss,
                   time.time() - t0)
-        wu.drop_optimizer_state(self.optimizer)
-        mopt.set_lr(self.optimizer, rl_lr(self.cfg.train, self.step))
+        wu.drop_optimizer_state(self.optimizer)  # RL's lr is set before every step (rl_lr)
 
     def rl_iteration(self, writer: MetricsWriter) -> dict:
         """Rollout, advantages, `minibatches_per_iteration` optimizer steps, weight sync."""
@@ -264,7 +263,7 @@ class Trainer:
         for j, idx in enumerate(minibatches):
             t1 = time.time()
             mbs = [packed.select_rows(m) for m in self._dp_microbatches(idx)]
-            lr = rl_lr(cfg.train, self.step)
+            lr = rl_lr(cfg.train, self.step)  # from the step count: a resume continues it
             mopt.set_lr(self.optimizer, lr)
             means, grad_norm = self._step(
                 mbs, lambda mb: loss_adapter.make_loss_func(mb, cfg.loss))
@@ -312,7 +311,6 @@ class Trainer:
             log_rank0("--resume: no checkpoint in %s, starting fresh", self.ckpt_dir)
             return False
         self.load_train_state(ckpt.load_checkpoint(path, self.model, self.optimizer))
-        mopt.set_lr(self.optimizer, rl_lr(self.cfg.train, self.step))
         self.sync_weights()
         log_rank0("resumed from %s at iteration %d (step %d)", path, self.iteration, self.step)
         return True

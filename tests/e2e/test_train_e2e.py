@@ -3,10 +3,11 @@
 - TP=2 (sequence parallel) and EP=2 (DP=2, distributed optimizer sharded over DP) short runs:
   the loop completes, metrics.jsonl has one row per optimizer step with the contract keys, all
   finite, and checkpoints + summary are written.
-- Resume: an uninterrupted run (inside the RL learning-rate warm-up) vs. a run that is killed (SIGKILL to the whole torchrun process
-  group) once its third iteration is logged, then resumed with --resume from the newest complete
-  checkpoint. Every non-time metric of every optimizer step must be identical (exact float
-  equality: same seed, CPU, same layout), wherever the kill landed.
+- Resume: an uninterrupted run (inside the RL learning-rate warm-up) vs. a run that is killed
+  (SIGKILL to the whole torchrun process group) once its third iteration is logged, then resumed
+  with --resume from the newest complete checkpoint. Every non-time metric of every optimizer
+  step must be identical (exact float equality: same seed, CPU, same layout), wherever the kill
+  landed.
 """
 
 from __future__ import annotations
