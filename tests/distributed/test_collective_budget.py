@@ -46,4 +46,4 @@ def test_no_collectives_without_group(monkeypatch):
     monkeypatch.setattr(dist, "all_reduce", forbidden)
     case = make_case(1, 4, 30, 2)
     logits = case["logits"].clone().requires_grad_()
-    pdm.token_stats(logits, *op_args(case)).logprob.sum().backward()
+    pdm.token_stats(logits, *op_args(case), tp_group=None, vocab_size=None).logprob.sum().backward()
