@@ -259,3 +259,39 @@ def test_vocab_size_must_be_an_int(bad):
         with pytest.raises(TypeError, match=r"vocab_size must be an int"):
             pdm.token_stats(*args, vocab_size=bad, validate=validate, tp_group=None)
     pdm.token_stats(*args, vocab_size=45, tp_group=None)  # control
+
+
+# -- tp_group and vocab_size are said, never assumed -------------------------------------------
+
+
+def _one_row_args():
+    z = torch.randn(2, 45)
+    ids = torch.tensor([[1, 2], [1, 2]])
+    return (z, torch.tensor([1, 1]), ids, torch.log(torch.tensor([[0.5, 0.2]] * 2)),
+            torch.ones(2, 2, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("given", [{}, {"tp_group": None}, {"vocab_size": 45}])
+def test_tp_group_and_vocab_size_have_no_default(given):
+    """Leaving either out is a TypeError naming it: a shard silently normalised as if it were
+    the whole vocabulary gives plausible, wrong statistics."""
+    missing = [k for k in ("tp_group", "vocab_size") if k not in given]
+    with pytest.raises(TypeError, match="|".join(missing)) as err:
+        pdm.token_stats(*_one_row_args(), **given)
+    for name in missing:
+        assert name in str(err.value)
+    pdm.token_stats(*_one_row_args(), tp_group=None, vocab_size=None)  # control: both said
+
+
+def test_vocab_size_none_is_refused_on_a_shard(monkeypatch):
+    """None means "no padding", which only a single device can vouch for (megatron pads the
+    vocabulary it shards): on a 2-rank group the op asks for the engine vocabulary."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: None)
+    group = object()
+    with pytest.raises(ValueError, match=r"vocab_size=None on a vocab shard \(tp_group of 2"):
+        pdm.token_stats(*_one_row_args(), tp_group=group, vocab_size=None)
+    pdm.token_stats(*_one_row_args(), tp_group=group, vocab_size=90)  # control
