@@ -91,6 +91,7 @@ from megatron_pdm.parallel.shards import shard_info
 
 __all__ = ["token_stats"]
 
+
 def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
     """The single door for collectives (tests patch it to count calls). No-op for world size 1."""
     if group is None or dist.get_world_size(group) == 1:
