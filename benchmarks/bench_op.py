@@ -107,7 +107,7 @@ def _step_fn(variant: str, inp: dict):
 
         def step(x):
             stats = pdm.token_stats(x, sampled, ids, lp, valid, vocab_size=vocab,
-                                    validate=False, inplace=inplace)
+                                    validate=False, inplace=inplace, tp_group=None)
             return torch.autograd.grad(stats.logprob.sum(), x)[0]
 
         return step

@@ -63,7 +63,7 @@ def synthetic_rollout(logits_nv: torch.Tensor, top_k: int, vocab_size: int, seed
     )
 
 
-def pdm_loss(logits_nv, batch, *, vocab_size, tp_group=None):
+def pdm_loss(logits_nv, batch, *, tp_group, vocab_size):
     stats = pdm.token_stats(
         logits_nv,
         batch["sampled_ids"],
@@ -118,7 +118,7 @@ def fp8_slice(layers: int, seq_len: int, recipe: str) -> dict:
     logits_bsv = model(ids, pos, None)
     logits_nv = logits_bsv.reshape(seq_len, -1)
     batch = synthetic_rollout(logits_nv, top_k=20, vocab_size=arch.vocab_size)
-    _, out = pdm_loss(logits_nv, batch, vocab_size=arch.vocab_size)
+    _, out = pdm_loss(logits_nv, batch, tp_group=None, vocab_size=arch.vocab_size)
     loss_sum, num_tokens, _ = out
     (loss_sum / num_tokens).backward()
     torch.cuda.synchronize()
@@ -156,7 +156,7 @@ def tp_check(vocab: int, tokens: int, device: str) -> dict:
     full_nv = (3 * torch.randn(tokens, v_pad, generator=gen)).to(device)
     batch = synthetic_rollout(full_nv, top_k=8, vocab_size=vocab)
     ref_logits = full_nv.clone().requires_grad_(True)
-    ref_stats, ref_out = pdm_loss(ref_logits, batch, vocab_size=vocab)
+    ref_stats, ref_out = pdm_loss(ref_logits, batch, tp_group=None, vocab_size=vocab)
     ref_out[0].backward()
     v_local = v_pad // world
     shard = full_nv[:, rank * v_local : (rank + 1) * v_local].clone().requires_grad_(True)
@@ -207,7 +207,7 @@ def op_bench(tokens: int, iters: int) -> dict:
 
     def run_pdm():
         x = logits.detach().requires_grad_(True)
-        _, out = pdm_loss(x, batch, vocab_size=V_QWEN3)
+        _, out = pdm_loss(x, batch, tp_group=None, vocab_size=V_QWEN3)
         out[0].backward()
 
     def run_ce():

@@ -3,10 +3,14 @@
 Public API (never imports megatron):
 
     stats = token_stats(logits, sampled_ids, support_ids, support_logprobs, support_valid,
-                        *, tp_group=None, vocab_size=None, temperature=1.0)
+                        *, tp_group=None, vocab_size=None, temperature=1.0)   # one device
+    stats = token_stats(..., tp_group=tp_group, vocab_size=engine_vocab)          # a TP shard
     cfg   = PolicyLossConfig.preset("pdm-agg")
     out   = policy_loss(stats, advantages, behavior_logprob, loss_mask, cfg, seq_ids=None)
     loss_sum, num_tokens, metrics = out
+
+`tp_group` and `vocab_size` have no default: the caller always says whether the logits are a
+vocab shard and how much of them is padding (None for both: one device, no padding).
 
 The names are resolved lazily (PEP 562): `import megatron_pdm.ops` loads the math layer only, not
 the parallel op or the loss. Modules inside the package import each other by module path, never

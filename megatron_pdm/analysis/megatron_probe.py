@@ -2,10 +2,11 @@
 
 - `evaluate()` runs megatron's schedule forward-only (`collect_non_loss_data=True`) over this
   DP rank's micro-batches; the "loss function" computes the vocab-parallel `token_stats` of the
-  logits shard (the same op and the same batch facts as training: temperature, engine vocab,
-  validation state) and the study's `token_table`. Tables are gathered over DP and sent from the
-  last pipeline stage to every stage, so every rank holds the whole study batch's table (TP ranks
-  hold identical tables: the op's statistics are replicated after its all-reduces).
+  logits shard with training's own call (`mcore/loss_adapter.batch_token_stats`: the same op and
+  the same batch facts: temperature, engine vocab, validation state, TP group) and the study's
+  `token_table`. Tables are gathered over DP and sent from the last pipeline stage to every
+  stage, so every rank holds the whole study batch's table (TP ranks hold identical tables: the
+  op's statistics are replicated after its all-reduces).
 - `step(cfg)` is the driver's own optimizer step (`train/schedule.optimizer_step`: zero grads,
   megatron forward/backward with `mcore/loss_adapter.make_loss_func(mb, cfg)`, the run's optimizer
   with its Adam state, gradient clipping and DP/TP reductions).
@@ -22,17 +23,9 @@ from megatron_pdm.analysis import snapshot as snap_mod
 from megatron_pdm.analysis.token_table import TokenTable, state_hashes, token_table
 from megatron_pdm.config import PolicyLossConfig
 from megatron_pdm.mcore import loss_adapter
-from megatron_pdm.parallel.vocab_parallel import token_stats
 from megatron_pdm.train.schedule import optimizer_step
 
 __all__ = ["MegatronProbe", "verify_all_ranks"]
-
-
-def _tp_group():
-    from megatron.core import parallel_state as ps
-
-    return (ps.get_tensor_model_parallel_group()
-            if ps.get_tensor_model_parallel_world_size() > 1 else None)
 
 
 class MegatronProbe:
@@ -65,17 +58,11 @@ class MegatronProbe:
     # ------------------------------------------------------------------ evaluation
 
     def _table_of(self, output_tensor: torch.Tensor, mb) -> TokenTable:
-        b, s = mb.labels.shape
-        logits_bsv = loss_adapter.to_bsv(output_tensor, b, s)
-        # bs row order, as flat(); a copy in the statistics dtype (the output itself is unused).
-        logits_NVl = logits_bsv.reshape(b * s, logits_bsv.shape[-1]).to(self.stats_dtype)
-        f = mb.flat()
-        check = not bool(getattr(mb, "validated", False))
-        stats = token_stats(logits_NVl, f["labels"], f["support_ids"], f["support_logprobs"],
-                            f["support_valid"], tp_group=_tp_group(),
-                            vocab_size=loss_adapter.batch_vocab_size(mb),
-                            temperature=float(mb.temperature), validate=check)
-        return token_table(stats, f["advantages"], f["behavior_logprob"], f["loss_mask"],
+        # The training step's batch -> token_stats call, on a copy in the statistics dtype (bs
+        # row order, the order of state_hashes(mb.tokens); the output itself is unused).
+        out = loss_adapter.batch_token_stats(output_tensor, mb, stats_dtype=self.stats_dtype)
+        f = out.fields
+        return token_table(out.stats, f["advantages"], f["behavior_logprob"], f["loss_mask"],
                            self.criteria, seq_ids_N=f["seq_ids"],
                            states_N2=state_hashes(mb.tokens))
 

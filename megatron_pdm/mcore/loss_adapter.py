@@ -7,6 +7,8 @@ returns `(loss_sum, num_tokens, {key: tensor([sum, count])})`: megatron back-pro
 `loss_sum`, sums `num_tokens` over micro-batches, all-reduces it over data parallel ranks and
 divides the gradients by it in `finalize_model_grads`, so the update is an exact token (or
 sequence) mean over the global batch. `make_loss_func` binds one micro-batch to that contract.
+`batch_token_stats` is the batch -> `token_stats` call itself, shared with the mask study's
+probe (analysis/megatron_probe.py), so both read a batch the same way.
 
 What this adapter owns (and the core op does not):
 - Layout. `GPTModel.forward(..., labels=None)` returns vocab-parallel logits `[b, s, Vl]`; the
@@ -32,6 +34,7 @@ mismatch/abs_logprob_diff; see megatron_pdm/metrics.py) plus `tokens/loss` (loss
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,6 +42,7 @@ import torch
 from megatron_pdm import metrics as M
 from megatron_pdm.config import PolicyLossConfig
 from megatron_pdm.loss.policy_loss import policy_loss
+from megatron_pdm.ops.stats import TokenStats
 from megatron_pdm.parallel.vocab_parallel import token_stats
 
 _FIELDS = ("labels", "loss_mask", "behavior_logprob", "support_ids", "support_logprobs",
@@ -97,6 +101,78 @@ def batch_vocab_size(batch: Any) -> int:
     return int(vocab_size)
 
 
+@dataclass(frozen=True)
+class BatchStats:
+    """`token_stats` of one packed batch, with its per-token fields in the same row order.
+
+    Attributes:
+        stats: the op's TokenStats over all N = b * s rows.
+        fields: the batch's per-token fields (`labels`, `loss_mask`, `behavior_logprob`,
+            `support_ids`, `support_logprobs`, `support_valid`, `advantages`, `seq_ids`)
+            flattened to [N] / [N, S], row n of each scoring logits row n.
+        rows: "bs" (row n = b_i * s + s_j) or "sb" (row n = s_j * b + b_i).
+        checked: the op checked its inputs (the batch was not `validated` where it entered);
+            the loss checks its own inputs under the same flag.
+    """
+
+    stats: TokenStats
+    fields: dict[str, torch.Tensor]
+    rows: str
+    checked: bool
+
+
+def batch_token_stats(output_tensor: torch.Tensor, batch: Any, *, layout: str = "auto",
+                      tp_group: Any = "parallel_state", inplace: bool = False,
+                      stats_dtype: torch.dtype | None = None) -> BatchStats:
+    """The batch -> `token_stats` call of training and of the mask study (one place).
+
+    The batch facts the rollout engine stamped are used as recorded: `temperature`,
+    `vocab_size` (megatron's padded ids beyond it are excluded) and `validated` (checked
+    batches run the op with its input checks off: no host sync).
+
+    Args:
+        output_tensor: logits `[b, s, Vl]` or `[s, b, Vl]` (this TP rank's vocab shard).
+        batch: a `PackedBatch`, padded `[b, s]` or THD `[1, total]`.
+        layout: see `to_bsv`.
+        tp_group: process group; default: megatron's TP group (None when TP == 1).
+        inplace: let the op work in the logits' storage (fp32 logits; see `token_stats`).
+        stats_dtype: cast the logits to this dtype first (a copy, always in "bs" row order);
+            None: the op reads the logits as they are, as a view (no row-selection copy, like
+            megatron's CE), in the logits' own row order.
+    """
+    labels_bs = batch.labels
+    b, s = labels_bs.shape
+    logits_bsv = to_bsv(output_tensor, b, s, layout)
+    group = _tp_group() if tp_group == "parallel_state" else tp_group
+    # All rows go through the op: rows without a loss carry an all-invalid support and
+    # loss_mask False, so they add no gradient. For [s, b, Vl] logits viewed without a copy
+    # the small per-token fields are transposed instead.
+    if stats_dtype is not None:
+        logits_NVl = logits_bsv.reshape(b * s, logits_bsv.shape[-1]).to(stats_dtype)
+        rows = "bs"
+    elif logits_bsv.is_contiguous():
+        logits_NVl = logits_bsv.reshape(b * s, logits_bsv.shape[-1])
+        rows = "bs"
+    else:
+        logits_NVl = output_tensor.reshape(s * b, output_tensor.shape[-1])
+        rows = "sb"
+
+    def flat(name: str) -> torch.Tensor:
+        t = getattr(batch, name)
+        if rows == "sb":
+            t = t.transpose(0, 1)
+        return t.reshape(b * s, *t.shape[2:])
+
+    f = {name: flat(name) for name in _FIELDS}
+    # Checked once where the rollouts entered (batch.validated): no checks, no host syncs here.
+    check = not bool(getattr(batch, "validated", False))
+    stats = token_stats(
+        logits_NVl, f["labels"], f["support_ids"], f["support_logprobs"], f["support_valid"],
+        tp_group=group, vocab_size=batch_vocab_size(batch), temperature=float(batch.temperature),
+        validate=check, inplace=inplace)
+    return BatchStats(stats, f, rows, check)
+
+
 def policy_loss_func(output_tensor: torch.Tensor, *, batch: Any, cfg: PolicyLossConfig,
                      layout: str = "auto", tp_group: Any = "parallel_state",
                      inplace: bool = True):
@@ -114,39 +190,15 @@ def policy_loss_func(output_tensor: torch.Tensor, *, batch: Any, cfg: PolicyLoss
     Returns:
         (loss_sum, num_tokens int tensor, metrics {key: tensor([sum, count])}).
     """
-    labels_bs = batch.labels
-    b, s = labels_bs.shape
-    logits_bsv = to_bsv(output_tensor, b, s, layout)
-    group = _tp_group() if tp_group == "parallel_state" else tp_group
-    # All rows go through the op as a view of the logits (no row-selection copy, like megatron's
-    # CE): rows without a loss carry an all-invalid support and loss_mask False, so they add no
-    # gradient. For [s, b, Vl] logits the small per-token fields are transposed instead.
-    if logits_bsv.is_contiguous():
-        logits_NVl = logits_bsv.reshape(b * s, logits_bsv.shape[-1])
-        order = "bs"
-    else:
-        logits_NVl = output_tensor.reshape(s * b, output_tensor.shape[-1])
-        order = "sb"
-
-    def flat(name: str) -> torch.Tensor:
-        t = getattr(batch, name)
-        if order == "sb":
-            t = t.transpose(0, 1)
-        return t.reshape(b * s, *t.shape[2:])
-
-    f = {name: flat(name) for name in _FIELDS}
-    mask_N = f["loss_mask"].to(torch.bool)
-    # Checked once where the rollouts entered (batch.validated): no checks, no host syncs here.
-    check = not bool(getattr(batch, "validated", False))
     # inplace: fp32 logits are consumed like megatron's CE consumes them (exp kept in their
     # storage for backward, gradient written there); nothing else reads the logits afterwards.
-    stats = token_stats(
-        logits_NVl, f["labels"], f["support_ids"], f["support_logprobs"], f["support_valid"],
-        tp_group=group, vocab_size=batch_vocab_size(batch), temperature=float(batch.temperature),
-        validate=check, inplace=inplace)
+    out = batch_token_stats(output_tensor, batch, layout=layout, tp_group=tp_group,
+                            inplace=inplace)
+    f = out.fields
+    mask_N = f["loss_mask"].to(torch.bool)
     loss_sum, num_tokens, metrics = policy_loss(
-        stats, f["advantages"], f["behavior_logprob"], mask_N, cfg, seq_ids=f["seq_ids"],
-        check_inputs=check)
+        out.stats, f["advantages"], f["behavior_logprob"], mask_N, cfg, seq_ids=f["seq_ids"],
+        check_inputs=out.checked)
     metrics = dict(metrics)
     metrics[M.TOKENS_LOSS] = M.sum_count(mask_N.double(), mask_N, torch.float64)
     return loss_sum, num_tokens.reshape(()), metrics

@@ -242,37 +242,30 @@ def is_sampled_slot(support_ids_NS: torch.Tensor, support_valid_NS: torch.Tensor
 
 def assemble_token_stats(
     logprob_N: torch.Tensor,
-    tail_max_N: torch.Tensor,
-    support_logits_NS: torch.Tensor,
-    sampled_logit_N: torch.Tensor,
-    tail_sum_exp_N: torch.Tensor,
-    tail_sum_exp2_N: torch.Tensor,
+    ls: LogSums,
+    *,
     support_logprobs_NS: torch.Tensor,
     support_valid_NS: torch.Tensor,
     support_ids_NS: torch.Tensor,
-    sampled_ids_N: torch.Tensor,
+    is_sampled_NS: torch.Tensor,
     vocab_size: int,
 ) -> TokenStats:
-    """Builds TokenStats from the globally reduced quantities (tempered logits).
+    """Builds TokenStats from the globally reduced quantities, combined by `log_sums`.
 
     Args:
         logprob_N: log pi_k (may carry grad).
-        tail_max_N: global max of the tempered logits outside the support and k (-inf if none).
-        support_logits_NS: tempered logits at the support ids (any value on invalid slots).
-        sampled_logit_N: tempered logit of the sampled token.
-        tail_sum_exp_N, tail_sum_exp2_N: Z_T and S2_T over the columns outside S and k,
-            relative to `exp_shift(tail_max_N)`.
-        support_logprobs_NS, support_valid_NS, support_ids_NS, sampled_ids_N: op inputs.
+        ls: `log_sums` of the reduced tail max, support and sampled logits and tail sums (the
+            op's forward computed them already; nothing is recomputed here).
+        support_logprobs_NS, support_valid_NS, support_ids_NS: op inputs.
+        is_sampled_NS: `is_sampled_slot` of the op inputs (the one `ls` was built with).
         vocab_size: engine vocabulary size.
 
     Returns:
-        TokenStats in the dtype of `tail_max_N`.
+        TokenStats in the dtype of `ls`.
     """
-    dtype = tail_max_N.dtype
+    dtype = ls.ref.dtype
     valid = support_valid_NS
-    is_k_NS = is_sampled_slot(support_ids_NS, valid, sampled_ids_N)
-    ls = log_sums(tail_max_N, support_logits_NS, sampled_logit_N, tail_sum_exp_N,
-                  tail_sum_exp2_N, valid, is_k_NS)
+    is_k_NS = is_sampled_NS
     has_support = valid.any(-1)
     logpi_NS = torch.where(valid, ls.support_rel - ls.log_z[:, None], -torch.inf)
     logmu_NS = torch.where(valid, support_logprobs_NS.to(dtype), -torch.inf)
@@ -297,7 +290,7 @@ def assemble_token_stats(
     mu_bound = (
         torch.where(torch.isfinite(mu_bound), mu_bound, 1.0)
         if mu_bound is not None
-        else torch.ones_like(tail_max_N)
+        else torch.ones_like(ls.ref)
     )
     pi_NS = torch.where(valid, logpi_NS.exp(), 0.0)
     topk_kl = _div.topk_kl(logpi_NS, logmu_NS, valid, pi_tail, mu_tail, log_pi_tail_N=log_pi_tail)

@@ -54,17 +54,19 @@ Padding: ids >= vocab_size form a suffix of the padded range; each shard slices 
 Temperature: the tempered logits z/T are formed inside the passes (the caller's logits are not
 modified by the default path).
 
+The per-shard math (masking, the passes, the local backward) lives in parallel/shard_math.py;
+this module holds the autograd op, its two collectives and the public `token_stats`.
+
 Shape legend: N tokens, Vl local vocab shard (padded), S support slots, M = S + 1 masked slots.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 
 from megatron_pdm.ops.stats import (
+    LogSums,
     TokenStats,
     assemble_token_stats,
     exp_shift,
@@ -72,28 +74,22 @@ from megatron_pdm.ops.stats import (
     log_sums,
 )
 from megatron_pdm.ops.validation import check_token_args, check_vocab_size, validate_token_inputs
-from megatron_pdm.parallel.shards import ShardInfo, owned_support, shard_info
+from megatron_pdm.parallel.shard_math import (
+    DEFAULT_CHUNK_ELEMS,
+    GradRows,
+    grad_in_storage,
+    grad_recomputed,
+    mask_columns,
+    masked_columns,
+    pack_sums,
+    restore_columns,
+    shard_tail_max,
+    shard_tail_sums,
+    work_dtype,
+)
+from megatron_pdm.parallel.shards import shard_info
 
-__all__ = [
-    "DEFAULT_CHUNK_ELEMS",
-    "NUM_SUM_EXTRA",
-    "MaskedColumns",
-    "mask_columns",
-    "masked_columns",
-    "pack_sums",
-    "restore_columns",
-    "shard_logprob_grad",
-    "shard_tail_max",
-    "shard_tail_sums",
-    "token_stats",
-]
-
-DEFAULT_CHUNK_ELEMS = 1 << 24
-"""Row chunks of the default paths' fp32 working buffer hold at most this many elements (64 MiB).
-Fewer, larger chunks keep the per-op thread barriers of CPU kernels rare."""
-
-NUM_SUM_EXTRA = 3
-"""Columns after z_S in the packed SUM: z_k, Z_T, S2_T."""
+__all__ = ["token_stats"]
 
 
 def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
@@ -104,241 +100,6 @@ def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
     return t
 
 
-def _work_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _chunks(n_rows: int, n_cols: int, chunk_elems: int):
-    step = max(1, chunk_elems // max(n_cols, 1))
-    for r0 in range(0, n_rows, step):
-        yield r0, min(n_rows, r0 + step)
-
-
-@dataclass(frozen=True)
-class MaskedColumns:
-    """The columns of one shard that the op handles in log space, [N, M] with M = S + 1:
-    the support slots, then the sampled token.
-
-    Attributes:
-        idx_NM: int64 local column (0 where the slot is not owned by this shard).
-        owned_NM: bool, the slot is valid (support) and its id lies in this shard's real range.
-        z_NM: the logits at idx_NM before masking (logits' dtype; any value where not owned).
-    """
-
-    idx_NM: torch.Tensor
-    owned_NM: torch.Tensor
-    z_NM: torch.Tensor
-
-
-def masked_columns(
-    logits_NVl: torch.Tensor,
-    sampled_ids_N: torch.Tensor,
-    support_ids_NS: torch.Tensor,
-    support_valid_NS: torch.Tensor,
-    shard: ShardInfo,
-) -> MaskedColumns:
-    """Owned support columns and the sampled column of this shard, with their logits."""
-    owned_NS, idx_NS = owned_support(support_ids_NS, support_valid_NS, shard)
-    k_local_N = sampled_ids_N.long() - shard.vocab_start
-    k_owned_N = (k_local_N >= 0) & (k_local_N < shard.n_real)
-    idx_NM = torch.cat([idx_NS, torch.where(k_owned_N, k_local_N, 0)[:, None]], 1)
-    owned_NM = torch.cat([owned_NS, k_owned_N[:, None]], 1)
-    if shard.n_real == 0 or logits_NVl.shape[0] == 0:
-        z_NM = torch.zeros(idx_NM.shape, dtype=logits_NVl.dtype, device=logits_NVl.device)
-    else:
-        z_NM = logits_NVl[:, : shard.n_real].gather(1, idx_NM)
-    return MaskedColumns(idx_NM, owned_NM, z_NM)
-
-
-def _write_columns(real_NV: torch.Tensor, cols: MaskedColumns, src_NM: torch.Tensor) -> None:
-    """real[row, idx[row, m]] = src[row, m]; callers make all writes to one column agree, so the
-    result does not depend on the write order (CPU or GPU). fp32/fp64 use scatter_; bf16/fp16
-    use index_put_ (CPU scatter_ on reduced-precision dtypes copies the whole tensor)."""
-    if real_NV.shape[1] == 0 or real_NV.shape[0] == 0:
-        return
-    if real_NV.dtype in (torch.float32, torch.float64):
-        real_NV.scatter_(1, cols.idx_NM, src_NM)
-    else:
-        rows_NM = torch.arange(real_NV.shape[0], device=real_NV.device)[:, None].expand_as(
-            cols.idx_NM)
-        real_NV.index_put_((rows_NM, cols.idx_NM), src_NM)
-
-
-def mask_columns(real_NV: torch.Tensor, cols: MaskedColumns) -> None:
-    """Sets the owned masked columns of the real shard to -inf, in place.
-
-    Slots that are not owned point at column 0; they write column 0's own value (its gathered
-    original, or -inf when column 0 is itself masked in that row), so duplicate targets agree."""
-    col0_masked_N1 = (cols.owned_NM & (cols.idx_NM == 0)).any(-1, keepdim=True)
-    src_NM = cols.z_NM.masked_fill(cols.owned_NM | col0_masked_N1, -torch.inf)
-    _write_columns(real_NV, cols, src_NM)
-
-
-def restore_columns(real_NV: torch.Tensor, cols: MaskedColumns) -> None:
-    """Writes the gathered logits back: bit-exact undo of `mask_columns` (every write to a
-    column carries that column's original value, so duplicate targets agree)."""
-    _write_columns(real_NV, cols, cols.z_NM)
-
-
-def shard_tail_max(real_NV: torch.Tensor, temperature: float, work: torch.dtype) -> torch.Tensor:
-    """Local max of the tempered logits outside the masked columns ([N], -inf if none).
-
-    One read pass on the logits' own dtype (max commutes with the monotone cast and /T)."""
-    n = real_NV.shape[0]
-    if real_NV.shape[1] == 0 or n == 0:
-        return torch.full((n,), -torch.inf, dtype=work, device=real_NV.device)
-    return real_NV.amax(-1).to(work) / temperature
-
-
-def _exp_shifted_(dst_RV: torch.Tensor, src_RV: torch.Tensor, shift_R: torch.Tensor,
-                  temperature: float) -> torch.Tensor:
-    """dst = exp(src / T - shift) in the working dtype: 2 passes (a fused shift, then exp_).
-
-    bf16/fp16 sources are cast by a plain copy first: mixed-dtype arithmetic is several times
-    slower on CPU. `dst` may be `src` (in-place mode)."""
-    same = dst_RV.data_ptr() == src_RV.data_ptr()
-    if src_RV.dtype != dst_RV.dtype:
-        dst_RV.copy_(src_RV)
-        src_RV, same = dst_RV, True
-    if temperature == 1.0:
-        if same:
-            dst_RV.sub_(shift_R[:, None])
-        else:
-            torch.sub(src_RV, shift_R[:, None], out=dst_RV)
-    else:  # z * (1/T) - shift in one pass
-        torch.add(-shift_R[:, None], src_RV, alpha=1.0 / temperature, out=dst_RV)
-    return dst_RV.exp_()
-
-
-def shard_tail_sums(
-    real_NV: torch.Tensor,
-    shift_N: torch.Tensor,
-    temperature: float,
-    chunk_elems: int = DEFAULT_CHUNK_ELEMS,
-    in_storage: bool = False,
-) -> torch.Tensor:
-    """Local exact tail sums relative to the global shift: [N, 2] = (Z_T, S2_T).
-
-    `real_NV` has its masked columns at -inf (they contribute e^-inf = 0). With `in_storage`
-    (the logits already in the working dtype, in-place mode) e = exp(z/T - shift) is computed in
-    the logits' own storage and left there for backward, in one pass over all rows; otherwise a
-    reusable fp32 row-chunk buffer holds it.
-    """
-    work = shift_N.dtype
-    n, v = real_NV.shape
-    out_N2 = torch.zeros((n, 2), dtype=work, device=real_NV.device)
-    if v == 0 or n == 0:
-        return out_N2
-    if in_storage:
-        e_NV = _exp_shifted_(real_NV, real_NV, shift_N, temperature)
-        out_N2[:, 0] = e_NV.sum(-1)
-        # sum of squares in one read pass (no squared temporary)
-        out_N2[:, 1] = torch.linalg.vector_norm(e_NV, 2, -1).square_()
-        return out_N2
-    buf = None
-    for r0, r1 in _chunks(n, v, chunk_elems):
-        if buf is None:  # the only [rows, Vl] temporary, reused by every chunk
-            buf = torch.empty((r1 - r0, v), dtype=work, device=real_NV.device)
-        e_RV = _exp_shifted_(buf[: r1 - r0], real_NV[r0:r1], shift_N[r0:r1], temperature)
-        out_N2[r0:r1, 0] = e_RV.sum(-1)
-        out_N2[r0:r1, 1] = torch.linalg.vector_norm(e_RV, 2, -1).square_()
-    return out_N2
-
-
-def pack_sums(cols: MaskedColumns, tail_sums_N2: torch.Tensor, temperature: float
-              ) -> torch.Tensor:
-    """The SUM all-reduce payload [N, S + 3]: z_S | z_k (tempered, owner's value, else 0) |
-    Z_T | S2_T (this shard's partial sums)."""
-    z_NM = torch.where(cols.owned_NM, cols.z_NM.to(tail_sums_N2.dtype) / temperature, 0.0)
-    return torch.cat([z_NM, tail_sums_N2], 1)
-
-
-def shard_logprob_grad(
-    logits_NVl: torch.Tensor,
-    cols_idx_NM: torch.Tensor,
-    cols_owned_NM: torch.Tensor,
-    is_sampled_NS: torch.Tensor,
-    grad_N: torch.Tensor,
-    ref_N: torch.Tensor,
-    tail_rel_N: torch.Tensor,
-    log_z_N: torch.Tensor,
-    log_z_not_k_N: torch.Tensor,
-    support_rel_NS: torch.Tensor,
-    shard: ShardInfo,
-    temperature: float,
-    chunk_elems: int = DEFAULT_CHUNK_ELEMS,
-    in_storage: bool = False,
-) -> torch.Tensor:
-    """Local gradient of sum_t grad_t * log pi_k(t): grad/T * (onehot_k - softmax), padding 0.
-
-    Args:
-        logits_NVl: the saved logits; with `in_storage` their real columns hold
-            e = exp(z/T - t) (t the tail max) with 0 on the masked columns (left by forward).
-        cols_idx_NM, cols_owned_NM: `MaskedColumns.idx_NM` / `.owned_NM`.
-        is_sampled_NS: the slot of the sampled token.
-        grad_N: upstream gradient of log pi_k.
-        ref_N, tail_rel_N, log_z_N, log_z_not_k_N, support_rel_NS: `LogSums` fields (relative
-            to the row max ref, so every factor below is <= 1: nothing overflows).
-        shard, temperature, chunk_elems: as forward.
-        in_storage: gradient written into the logits' storage (one scaling pass + a scatter of
-            the masked columns' exact values). Otherwise the softmax is recomputed chunk by chunk
-            from the intact logits into the gradient (fp32/fp64) or through a reused fp32 buffer
-            (bf16), and the sampled column is overwritten with its exact value.
-
-    Returns:
-        [N, Vl] in the logits' dtype.
-    """
-    work = ref_N.dtype
-    n = logits_NVl.shape[0]
-    s = is_sampled_NS.shape[1]
-    out_NVl = logits_NVl if in_storage else torch.empty_like(
-        logits_NVl, memory_format=torch.contiguous_format)
-    out_NVl[:, shard.n_real:].zero_()
-    if shard.n_real == 0 or n == 0:
-        return out_NVl
-    scale_N = grad_N.to(work) / temperature
-    # the sampled column's exact value g/T (1 - pi_k) from the complement (no cancellation)
-    val_k_N = torch.where(cols_owned_NM[:, s], scale_N * torch.exp(log_z_not_k_N - log_z_N), 0.0)
-    real_NV = out_NVl[:, : shard.n_real]
-    if in_storage:
-        # pi_j = e_j * exp(t - ref - log Z_rel): one factor per row, -g/T folded in (0 when the
-        # tail is empty: e is 0 everywhere then)
-        factor_N = -scale_N * torch.exp(tail_rel_N - log_z_N)
-        # masked columns hold 0: add -g/T pi_i on owned support columns (i != k) and the exact
-        # k value; the non-owned slots add 0 to column 0 (exact, order-independent).
-        other_NS = cols_owned_NM[:, :s] & ~is_sampled_NS
-        val_NS = torch.where(other_NS, -scale_N[:, None] * torch.exp(
-            support_rel_NS - log_z_N[:, None]), 0.0)
-        real_NV.mul_(factor_N[:, None])
-        real_NV.scatter_add_(1, cols_idx_NM, torch.cat([val_NS, val_k_N[:, None]], 1)
-                             .to(real_NV.dtype))
-        return out_NVl
-    # softmax = exp(z/T - ref) * exp(-log Z_rel), ref the row max: recomputed, -g/T folded in
-    factor_N = -scale_N * torch.exp(-log_z_N)
-    direct = logits_NVl.dtype == work
-    src_NV = logits_NVl[:, : shard.n_real]
-    k_idx_N1 = cols_idx_NM[:, s:]
-    buf = None
-    for r0, r1 in _chunks(n, shard.n_real, chunk_elems):
-        dst_RV = real_NV[r0:r1]
-        if direct:
-            p_RV = dst_RV
-        else:
-            if buf is None:
-                buf = torch.empty((r1 - r0, shard.n_real), dtype=work, device=logits_NVl.device)
-            p_RV = buf[: r1 - r0]
-        _exp_shifted_(p_RV, src_NV[r0:r1], ref_N[r0:r1], temperature)
-        p_RV.mul_(factor_N[r0:r1, None])
-        # one write per row: the exact k value where owned, the value already there elsewhere
-        kk_R1 = k_idx_N1[r0:r1]
-        keep_R1 = p_RV.gather(1, kk_R1)
-        p_RV.scatter_(1, kk_R1, torch.where(cols_owned_NM[r0:r1, s:], val_k_N[r0:r1, None],
-                                            keep_R1))
-        if not direct:
-            dst_RV.copy_(p_RV)
-    return out_NVl
-
-
 def _group_rank_world(group) -> tuple[int, int]:
     if group is None:
         return 0, 1
@@ -346,12 +107,17 @@ def _group_rank_world(group) -> tuple[int, int]:
 
 
 class _VocabParallelTokenStats(torch.autograd.Function):
-    """Fused reductions + log pi_k with a CE-style backward. See the module docstring."""
+    """Fused reductions + log pi_k with a CE-style backward. See the module docstring.
+
+    Outputs: logprob [N] (differentiable), then, non-differentiable, the reduced tail max [N],
+    the reduced SUM payload [N, S+3], the sampled slot [N, S] and the `LogSums` tensors (in
+    field order), which `assemble_token_stats` uses as they are.
+    """
 
     @staticmethod
     def forward(ctx, logits, sampled_ids, support_ids, support_valid, group, shard, temperature,
                 chunk_elems, inplace):
-        work = _work_dtype(logits.dtype)
+        work = work_dtype(logits.dtype)
         # In-place mode keeps exp(z/T - t) in the logits' storage for backward (one exp pass).
         holds_exp = bool(inplace) and logits.dtype == work
         s = support_ids.shape[1]
@@ -377,29 +143,33 @@ class _VocabParallelTokenStats(torch.autograd.Function):
             packed_NP = pack_sums(cols, sums_N2, temperature)
             # Collective 2/2 (SUM of [N, S+3]): z_S, z_k (owner-gathered), Z_T, S2_T.
             packed_NP = _all_reduce(packed_NP, dist.ReduceOp.SUM, group)
+            # Everything below is replicated across the TP group: no more communication.
             is_k_NS = is_sampled_slot(support_ids, support_valid, sampled_ids)
             ls = log_sums(tail_max_N, packed_NP[:, :s], packed_NP[:, s], packed_NP[:, s + 1],
                           packed_NP[:, s + 2], support_valid, is_k_NS)
             logprob_N = ls.sampled_rel - ls.log_z
-        ctx.save_for_backward(src, cols.idx_NM, cols.owned_NM, is_k_NS, ls.ref, ls.tail_rel,
-                              ls.log_z, ls.log_z_not_k, ls.support_rel)
+        ctx.save_for_backward(src, *GradRows.of(cols, is_k_NS, ls).tensors())
         ctx.shard, ctx.temperature, ctx.chunk_elems = shard, temperature, chunk_elems
         ctx.holds_exp = holds_exp
-        ctx.mark_non_differentiable(tail_max_N, packed_NP)
-        return logprob_N, tail_max_N, packed_NP
+        sums = (ls.ref, ls.tail_rel, ls.support_rel, ls.sampled_rel, ls.log_z, ls.log_z_not_k,
+                ls.log_tail, ls.log_tail2, ls.log_s2_not_k)
+        ctx.mark_non_differentiable(tail_max_N, packed_NP, is_k_NS, *sums)
+        return (logprob_N, tail_max_N, packed_NP, is_k_NS, *sums)
 
     @staticmethod
-    def backward(ctx, grad_logprob_N, _grad_max, _grad_sums):
-        src, idx_NM, owned_NM, is_k_NS, ref_N, tail_rel_N, log_z_N, log_z_not_k_N, rel_NS = (
-            ctx.saved_tensors)
+    def backward(ctx, grad_logprob_N, *_grads_of_detached):
+        src, *saved = ctx.saved_tensors
+        rows = GradRows(*saved)
         grad_logits = None
         if ctx.needs_input_grad[0]:
             # No collective: the CE backward is local to each vocab shard.
-            grad_logits = shard_logprob_grad(
-                src, idx_NM, owned_NM, is_k_NS, grad_logprob_N, ref_N, tail_rel_N, log_z_N,
-                log_z_not_k_N, rel_NS, ctx.shard, ctx.temperature, ctx.chunk_elems,
-                in_storage=ctx.holds_exp,
-            )
+            if ctx.holds_exp:
+                grad_logits = grad_in_storage(src, rows, grad_logprob_N, shard=ctx.shard,
+                                              temperature=ctx.temperature)
+            else:
+                grad_logits = grad_recomputed(src, rows, grad_logprob_N, shard=ctx.shard,
+                                              temperature=ctx.temperature,
+                                              chunk_elems=ctx.chunk_elems)
         return grad_logits, None, None, None, None, None, None, None, None
 
 
@@ -428,8 +198,8 @@ def token_stats(
     support_logprobs: torch.Tensor,
     support_valid: torch.Tensor,
     *,
-    tp_group=None,
-    vocab_size: int | None = None,
+    tp_group,
+    vocab_size: int | None,
     temperature: float = 1.0,
     validate: bool = True,
     chunk_elems: int = DEFAULT_CHUNK_ELEMS,
@@ -453,9 +223,15 @@ def token_stats(
         support_logprobs: [N, S] fp32 behavior log-probabilities on the support (tempered).
         support_valid: [N, S] bool; invalid slots are ignored. The sampled token must be a valid
             entry on every row that has any valid slot.
-        tp_group: tensor-parallel process group, or None for a single device.
-        vocab_size: engine vocabulary, an int (ids >= vocab_size are padding, excluded from the
-            softmax); defaults to Vl * tp_size.
+        tp_group: required keyword: the tensor-parallel process group `logits` is sharded
+            over, or None for a single device (the logits hold the whole padded vocabulary).
+            There is no default: a shard normalised as if it were the whole vocabulary gives
+            plausible, wrong statistics, so the caller says which it is.
+        vocab_size: required keyword: the engine vocabulary, an int (ids >= vocab_size are
+            padding, excluded from the softmax), or None when the logits carry no padding at
+            all, which only a single device can vouch for: None means vocab_size = Vl, and is
+            refused when `tp_group` has more than one rank (Megatron pads the vocabulary it
+            shards; pass the engine's size there).
         temperature: sampling temperature; logits are divided by it inside the op.
         validate: check the support values on the host (one copy, a host sync) and, after the
             forward, that no row holds NaN / +inf or only -inf (one more sync). Off: no sync at
@@ -474,14 +250,20 @@ def token_stats(
         TokenStats in fp32 (fp64 for fp64 logits); only `.logprob` carries a gradient.
 
     Raises:
-        TypeError: vocab_size is not an integer.
-        ValueError: on shape/dtype/vocab mismatches or bad support entries (row and slot named),
+        TypeError: tp_group or vocab_size left out (they have no default); vocab_size is
+            neither an integer nor None.
+        ValueError: vocab_size None on more than one TP rank; on shape/dtype/vocab mismatches
+            or bad support entries (row and slot named),
             and (validate) on rows with NaN / +inf logits or no finite logit (row named).
     """
     rank, world = _group_rank_world(tp_group)
     check_vocab_size(vocab_size)
     if vocab_size is None:
-        vocab_size = logits.shape[-1] * world if logits.dim() == 2 else 0
+        if world > 1:
+            raise ValueError(f"vocab_size=None on a vocab shard (tp_group of {world} ranks): "
+                             "pass the engine's vocabulary size (the sharded vocabulary is "
+                             "padded; None says 'no padding' and is for a single device)")
+        vocab_size = logits.shape[-1] if logits.dim() == 2 else 0
     vocab_size = int(vocab_size)
     args = (logits, sampled_ids, support_ids, support_logprobs, support_valid)
     if validate:
@@ -490,22 +272,17 @@ def token_stats(
     else:
         check_token_args(*args, vocab_size=vocab_size, tp_size=world, temperature=temperature)
     shard = shard_info(rank, world, logits.shape[1], vocab_size)
-    logprob_N, tail_max_N, packed_NP = _VocabParallelTokenStats.apply(
+    logprob_N, tail_max_N, packed_NP, is_k_NS, *sums = _VocabParallelTokenStats.apply(
         logits, sampled_ids, support_ids, support_valid, tp_group, shard, float(temperature),
         int(chunk_elems), bool(inplace),
     )
-    s = support_ids.shape[1]
     stats = assemble_token_stats(
         logprob_N,
-        tail_max_N=tail_max_N,
-        support_logits_NS=packed_NP[:, :s],
-        sampled_logit_N=packed_NP[:, s],
-        tail_sum_exp_N=packed_NP[:, s + 1],
-        tail_sum_exp2_N=packed_NP[:, s + 2],
+        LogSums(*sums),
         support_logprobs_NS=support_logprobs,
         support_valid_NS=support_valid,
         support_ids_NS=support_ids,
-        sampled_ids_N=sampled_ids,
+        is_sampled_NS=is_k_NS,
         vocab_size=vocab_size,
     )
     if validate and logprob_N.numel():

@@ -55,7 +55,7 @@ class FreeLogitProbe:
     def _stats(self, logits):
         t = self.t
         return pdm.token_stats(logits, t["k"], t["support_ids"], t["support_logprobs"],
-                               t["support_valid"])
+                               t["support_valid"], tp_group=None, vocab_size=None)
 
     def evaluate(self):
         with torch.no_grad():

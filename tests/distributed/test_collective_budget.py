@@ -46,4 +46,25 @@ def test_no_collectives_without_group(monkeypatch):
     monkeypatch.setattr(dist, "all_reduce", forbidden)
     case = make_case(1, 4, 30, 2)
     logits = case["logits"].clone().requires_grad_()
-    pdm.token_stats(logits, *op_args(case)).logprob.sum().backward()
+    pdm.token_stats(logits, *op_args(case), tp_group=None, vocab_size=None).logprob.sum().backward()
+
+
+def test_collectives_live_in_the_op_module_each_commented():
+    """The per-shard math (parallel/shard_math.py) never communicates; every collective of the
+    op is a call of vocab_parallel._all_reduce, each under a comment naming it."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[2] / "megatron_pdm" / "parallel"
+    math_src = (root / "shard_math.py").read_text()
+    imports = [n for n in ast.walk(ast.parse(math_src))
+               if isinstance(n, (ast.Import, ast.ImportFrom))]
+    imported = {a.name if isinstance(n, ast.Import) else n.module for n in imports for a in n.names}
+    assert not any(m and m.startswith("torch.distributed") for m in imported), imported
+    assert "all_reduce" not in math_src and "dist." not in math_src
+    op_lines = (root / "vocab_parallel.py").read_text().splitlines()
+    calls = [i for i, line in enumerate(op_lines)
+             if "_all_reduce(" in line and not line.lstrip().startswith("def ")]
+    assert len(calls) == 2
+    for i in calls:
+        assert op_lines[i - 1].lstrip().startswith("# Collective"), op_lines[i - 1]

@@ -228,3 +228,53 @@ def test_loss_tp2_equals_tp1_after_reshard(tmp_path):
     run_gloo(_tp_parity_worker, 2, str(tmp_path / "ckpt"), str(tmp_path / "res.pt"))
     res = torch.load(tmp_path / "res.pt", weights_only=False)
     assert res[1][1] > 0 and math.isfinite(res[1][0])
+
+
+def test_batch_token_stats_row_orders():
+    """The one batch -> token_stats call: [s, b, V] logits are read as a view in sb row order
+    (fields transposed to match), or, with stats_dtype, as a bs-ordered copy; both equal the op
+    called on the hand-flattened batch."""
+    from megatron_pdm.mcore.loss_adapter import batch_token_stats
+
+    batch, _ = _batch()
+    packed = pack_padded(batch, torch.tensor([0.5, -0.5, 1.0]))
+    b, s = packed.tokens.shape
+    logits_bsv = torch.randn(b, s, V_PADDED, generator=torch.Generator().manual_seed(4))
+    flat = packed.flat()
+    ref = pdm.token_stats(logits_bsv.reshape(b * s, V_PADDED).double(), flat["labels"],
+                          flat["support_ids"], flat["support_logprobs"], flat["support_valid"],
+                          tp_group=None, vocab_size=V, temperature=0.7)
+    logits_sbv = logits_bsv.transpose(0, 1).contiguous()
+    out = batch_token_stats(logits_sbv, packed, layout="sbv", tp_group=None,
+                            stats_dtype=torch.float64)
+    assert out.rows == "bs" and out.checked
+    torch.testing.assert_close(out.stats.logprob, ref.logprob, rtol=0, atol=0)
+    torch.testing.assert_close(out.stats.topk_kl, ref.topk_kl, rtol=0, atol=0)
+    assert torch.equal(out.fields["advantages"], flat["advantages"])
+    view = batch_token_stats(logits_sbv.double(), packed, layout="sbv", tp_group=None)
+    assert view.rows == "sb"
+    sb_to_bs = torch.arange(b * s).reshape(s, b).t().reshape(-1)  # bs row n -> its sb row
+    torch.testing.assert_close(view.stats.logprob[sb_to_bs], ref.logprob, rtol=0, atol=0)
+    assert torch.equal(view.fields["loss_mask"][sb_to_bs], flat["loss_mask"])
+
+
+def test_the_study_probe_reads_a_batch_through_batch_token_stats(monkeypatch):
+    """The mask study's probe has no batch -> token_stats call of its own: it calls the
+    training adapter's, with its statistics dtype."""
+    from megatron_pdm.analysis.megatron_probe import MegatronProbe
+    from megatron_pdm.mcore import loss_adapter
+
+    batch, _ = _batch()
+    packed = pack_padded(batch, torch.tensor([0.5, -0.5, 1.0]))
+    b, s = packed.tokens.shape
+    calls = []
+    real = loss_adapter.batch_token_stats
+
+    def spy(output_tensor, mb, **kwargs):
+        calls.append(kwargs)
+        return real(output_tensor, mb, tp_group=None, **kwargs)
+
+    monkeypatch.setattr(loss_adapter, "batch_token_stats", spy)
+    probe = MegatronProbe(None, None, [packed], [], pp=1)
+    probe._table_of(torch.randn(b, s, V_PADDED), packed)
+    assert calls == [{"stats_dtype": torch.float64}]

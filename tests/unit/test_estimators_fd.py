@@ -52,7 +52,7 @@ def _fd(fn, z, k):
 def _stats(z, logmu, k, ids):
     return pdm.token_stats(
         z[None], torch.tensor([k]), ids[None], logmu[ids][None],
-        torch.ones(1, len(ids), dtype=torch.bool),
+        torch.ones(1, len(ids), dtype=torch.bool), tp_group=None, vocab_size=None,
     )
 
 

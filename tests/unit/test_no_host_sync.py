@@ -140,7 +140,7 @@ def test_token_stats_without_validation_has_no_sync(dtype, inplace, tp, request)
 def test_policy_loss_without_checks_has_no_sync(preset, aggregation):
     case = make_case(1, 10, 80, 4)
     logits = case["logits"].clone().requires_grad_()
-    stats = pdm.token_stats(logits, *op_args(case), validate=False)
+    stats = pdm.token_stats(logits, *op_args(case), validate=False, tp_group=None, vocab_size=None)
     cfg = pdm.PolicyLossConfig.preset(preset, aggregation=aggregation)
     adv = torch.linspace(-1.0, 1.0, 10)
     lm = torch.ones(10, dtype=torch.bool)
@@ -158,9 +158,11 @@ def test_policy_loss_without_checks_has_no_sync(preset, aggregation):
 def test_detector_sees_the_checked_paths():
     """Control: validation and the input checks do synchronise, and the detector records them."""
     case = make_case(2, 8, 60, 3)
-    stats_syncs = _count_syncs(lambda: pdm.token_stats(case["logits"], *op_args(case)))
+    stats_syncs = _count_syncs(lambda: pdm.token_stats(case["logits"], *op_args(case),
+                                                       tp_group=None, vocab_size=None))
     assert stats_syncs, "validate=True reads the support on the host"
-    stats = pdm.token_stats(case["logits"], *op_args(case), validate=False)
+    stats = pdm.token_stats(case["logits"], *op_args(case), validate=False, tp_group=None,
+                            vocab_size=None)
     cfg = pdm.PolicyLossConfig.preset("pdm-agg")
     loss_syncs = _count_syncs(lambda: pdm.policy_loss(
         stats, torch.ones(8), case["behavior_logprob"], torch.ones(8, dtype=torch.bool), cfg))

@@ -22,7 +22,7 @@ def _one_row(z, k, ids, logmu, *, dtype=torch.float32, valid=None):
     valid_t = torch.ones_like(ids_t, dtype=torch.bool) if valid is None else torch.tensor([valid])
     return pdm.token_stats(
         torch.tensor([z], dtype=dtype), torch.tensor([k]), ids_t,
-        torch.tensor([logmu], dtype=torch.float32), valid_t,
+        torch.tensor([logmu], dtype=torch.float32), valid_t, tp_group=None, vocab_size=None,
     )
 
 
@@ -43,7 +43,7 @@ def test_neg_inf_sampled_logit_on_loss_row_is_an_error_naming_the_row(adv):
     ids = [[7, 3, 4], [7, 3, 4], [7, 3, 4]]
     logmu = torch.log(torch.tensor([[0.3, 0.2, 0.1]] * 3))
     st = pdm.token_stats(torch.tensor(z), torch.tensor([7, 7, 7]), torch.tensor(ids), logmu,
-                         torch.ones(3, 3, dtype=torch.bool))
+                         torch.ones(3, 3, dtype=torch.bool), tp_group=None, vocab_size=None)
     cfg = pdm.PolicyLossConfig.preset("grpo")
     adv_n = torch.tensor([1.0, adv, 1.0])
     beh = logmu[:, 0]
@@ -63,7 +63,8 @@ def test_neg_inf_sampled_logit_unchecked_gives_no_nan():
     ids = torch.tensor([[5, 1], [5, 1]])
     logmu = torch.log(torch.tensor([[0.4, 0.3], [0.4, 0.3]]))
     st = pdm.token_stats(logits, torch.tensor([5, 5]), ids, logmu,
-                         torch.ones(2, 2, dtype=torch.bool), validate=False)
+                         torch.ones(2, 2, dtype=torch.bool), validate=False,
+                         tp_group=None, vocab_size=None)
     cfg = pdm.PolicyLossConfig.preset("dppo-binary-tv")
     lm = torch.tensor([True, False])
     out = pdm.policy_loss(st, torch.tensor([0.0, 1.0]), logmu[:, 0], lm, cfg, check_inputs=False)
@@ -79,7 +80,8 @@ def test_neg_inf_logit_on_other_support_id_is_an_error_naming_row_and_slot():
     z[1, 9] = NEG_INF
     ids = torch.tensor([[3, 9, 12], [3, 9, 12]])
     logmu = torch.log(torch.tensor([[0.5, 0.2, 0.1]] * 2))
-    st = pdm.token_stats(z, torch.tensor([3, 3]), ids, logmu, torch.ones(2, 3, dtype=torch.bool))
+    st = pdm.token_stats(z, torch.tensor([3, 3]), ids, logmu, torch.ones(2, 3, dtype=torch.bool),
+                         tp_group=None, vocab_size=None)
     cfg = pdm.PolicyLossConfig.preset("pdm-agg")
     with pytest.raises(ValueError, match=r"row 1, slot 1.*-inf"):
         pdm.policy_loss(st, torch.ones(2), logmu[:, 0], torch.tensor([True, True]), cfg)
@@ -101,7 +103,7 @@ def test_neg_inf_tail_logits_are_tokens_the_policy_cannot_emit():
     valid = torch.ones(4, 4, dtype=torch.bool)
     k = torch.tensor([0, 1, 5, 2])
     logits = z.clone().requires_grad_()
-    st = pdm.token_stats(logits, k, ids, logmu, valid)
+    st = pdm.token_stats(logits, k, ids, logmu, valid, tp_group=None, vocab_size=None)
     ref = reference_token_stats(z, k, ids, logmu, valid)
     # Row 2 has pi_T = 0 with mu_T = 0.15: its tail bucket keeps the tiny clamp of §6.1.
     tiny = torch.finfo(torch.float64).tiny
@@ -159,7 +161,8 @@ def _f64_row(pi, mu, k):
     n = len(pi)
     return pdm.token_stats(
         torch.tensor([pi], dtype=torch.float64).log(), torch.tensor([k]), torch.arange(n)[None],
-        torch.tensor([mu], dtype=torch.float64).log(), torch.ones(1, n, dtype=torch.bool))
+        torch.tensor([mu], dtype=torch.float64).log(), torch.ones(1, n, dtype=torch.bool),
+        tp_group=None, vocab_size=None)
 
 
 def test_binary_tv_threshold_is_exact_in_float64():
@@ -203,7 +206,8 @@ def test_binary_tv_rate_near_certain_token_fp32(one_minus):
     logits = z.float()
     mu_k = 0.9
     st = pdm.token_stats(logits, torch.tensor([0]), torch.tensor([[0]]),
-                         torch.tensor([[math.log(mu_k)]]), torch.ones(1, 1, dtype=torch.bool))
+                         torch.tensor([[math.log(mu_k)]]), torch.ones(1, 1, dtype=torch.bool),
+                         tp_group=None, vocab_size=None)
     pi = torch.softmax(logits.double(), -1)[0]
     expected = pi[0] * ((1 - pi[0]) ** 2 + (pi[1:] ** 2).sum())
     cfg = pdm.PolicyLossConfig(proximity="binary_tv", direction="predictive", delta_low=1e-3,
@@ -225,7 +229,7 @@ def test_padding_seq_id_on_loss_row():
     st3 = pdm.token_stats(torch.tensor([[0.5, 0.3, 0.2]] * 3, dtype=torch.float64).log(),
                           torch.tensor([0, 0, 0]), torch.arange(3).expand(3, 3),
                           torch.tensor([[0.4, 0.4, 0.2]] * 3, dtype=torch.float64).log(),
-                          torch.ones(3, 3, dtype=torch.bool))
+                          torch.ones(3, 3, dtype=torch.bool), tp_group=None, vocab_size=None)
     del st
     cfg = pdm.PolicyLossConfig.preset("dppo-binary-tv", aggregation="seq-mean-token-sum")
     args = (st3, torch.tensor([1.0, 1.0, 1.0]), torch.full((3,), math.log(0.4)),
@@ -253,5 +257,41 @@ def test_vocab_size_must_be_an_int(bad):
             torch.ones(2, 2, dtype=torch.bool))
     for validate in (True, False):
         with pytest.raises(TypeError, match=r"vocab_size must be an int"):
-            pdm.token_stats(*args, vocab_size=bad, validate=validate)
-    pdm.token_stats(*args, vocab_size=45)  # control
+            pdm.token_stats(*args, vocab_size=bad, validate=validate, tp_group=None)
+    pdm.token_stats(*args, vocab_size=45, tp_group=None)  # control
+
+
+# -- tp_group and vocab_size are said, never assumed -------------------------------------------
+
+
+def _one_row_args():
+    z = torch.randn(2, 45)
+    ids = torch.tensor([[1, 2], [1, 2]])
+    return (z, torch.tensor([1, 1]), ids, torch.log(torch.tensor([[0.5, 0.2]] * 2)),
+            torch.ones(2, 2, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("given", [{}, {"tp_group": None}, {"vocab_size": 45}])
+def test_tp_group_and_vocab_size_have_no_default(given):
+    """Leaving either out is a TypeError naming it: a shard silently normalised as if it were
+    the whole vocabulary gives plausible, wrong statistics."""
+    missing = [k for k in ("tp_group", "vocab_size") if k not in given]
+    with pytest.raises(TypeError, match="|".join(missing)) as err:
+        pdm.token_stats(*_one_row_args(), **given)
+    for name in missing:
+        assert name in str(err.value)
+    pdm.token_stats(*_one_row_args(), tp_group=None, vocab_size=None)  # control: both said
+
+
+def test_vocab_size_none_is_refused_on_a_shard(monkeypatch):
+    """None means "no padding", which only a single device can vouch for (megatron pads the
+    vocabulary it shards): on a 2-rank group the op asks for the engine vocabulary."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: None)
+    group = object()
+    with pytest.raises(ValueError, match=r"vocab_size=None on a vocab shard \(tp_group of 2"):
+        pdm.token_stats(*_one_row_args(), tp_group=group, vocab_size=None)
+    pdm.token_stats(*_one_row_args(), tp_group=group, vocab_size=90)  # control

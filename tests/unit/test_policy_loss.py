@@ -22,7 +22,7 @@ def _stats(pi, mu, k):
     return pdm.token_stats(
         torch.tensor([pi], dtype=torch.float64).log(), torch.tensor([k]),
         torch.arange(n)[None], torch.tensor([mu], dtype=torch.float64).log(),
-        torch.ones(1, n, dtype=torch.bool),
+        torch.ones(1, n, dtype=torch.bool), tp_group=None, vocab_size=None,
     )
 
 
@@ -112,7 +112,7 @@ def test_ratio_cap_and_gradient():
     logits = torch.tensor([[0.9, 0.05, 0.05]], dtype=torch.float64).log().requires_grad_()
     st = pdm.token_stats(logits, torch.tensor([0]), torch.arange(3)[None],
                          torch.tensor([[0.1, 0.45, 0.45]], dtype=torch.float64).log(),
-                         torch.ones(1, 3, dtype=torch.bool))
+                         torch.ones(1, 3, dtype=torch.bool), tp_group=None, vocab_size=None)
     cfg = pdm.PolicyLossConfig(proximity="none", direction="ratio", ratio_cap=5.0)
     out = pdm.policy_loss(st, torch.tensor([2.0]), _f64(math.log(0.1)),
                           torch.tensor([True]), cfg)
@@ -129,7 +129,7 @@ def _batch():
     k = torch.tensor([0, 0, 0, 0, 0])
     st = pdm.token_stats(torch.tensor(pi, dtype=torch.float64).log(), k,
                          torch.arange(3).expand(5, 3), torch.tensor(mu, dtype=torch.float64).log(),
-                         torch.ones(5, 3, dtype=torch.bool))
+                         torch.ones(5, 3, dtype=torch.bool), tp_group=None, vocab_size=None)
     adv = torch.tensor([1.0, -1.0, 1.0, -1.0, 0.0])
     lm = torch.tensor([True, True, False, True, True])
     return st, adv, _f64(*[math.log(0.4)] * 5), lm, torch.tensor([0, 0, 0, 1, 1])
@@ -188,7 +188,7 @@ def test_non_finite_inputs_on_loss_rows_raise_naming_row(field):
     from tests._cases import make_case, op_args
 
     case = make_case(21, 5, 30, 3)
-    stats = pdm.token_stats(case["logits"], *op_args(case), vocab_size=30)
+    stats = pdm.token_stats(case["logits"], *op_args(case), vocab_size=30, tp_group=None)
     adv = torch.ones(5)
     beh = stats.logprob.detach().clone()
     mask = torch.tensor([True, True, False, True, True])

@@ -11,7 +11,7 @@ import megatron_pdm as pdm
 from megatron_pdm.ops.reference import reference_token_stats
 from megatron_pdm.ops.stats import exp_shift, is_sampled_slot, log_sums
 from megatron_pdm.parallel.shards import shard_info
-from megatron_pdm.parallel.vocab_parallel import (
+from megatron_pdm.parallel.shard_math import (
     mask_columns,
     masked_columns,
     pack_sums,
@@ -28,7 +28,8 @@ K = torch.tensor([5])
 def _stats():
     logmu = torch.log_softmax(Z_MU, -1)
     valid = torch.ones(1, 4, dtype=torch.bool)
-    return pdm.token_stats(Z_PI, K, IDS, logmu.gather(1, IDS), valid), logmu
+    return pdm.token_stats(Z_PI, K, IDS, logmu.gather(1, IDS), valid, tp_group=None,
+                           vocab_size=None), logmu
 
 
 def test_section_8_3_vector():
@@ -103,7 +104,8 @@ def test_section_3_2_disagreement_example():
     mu = torch.tensor([[0.70, 0.05, 0.25]], dtype=torch.float64)
     ids = torch.tensor([[0, 1, 2]])
     valid = torch.ones(1, 3, dtype=torch.bool)
-    st = pdm.token_stats(pi.log(), torch.tensor([1]), ids, mu.log(), valid)
+    st = pdm.token_stats(pi.log(), torch.tensor([1]), ids, mu.log(), valid, tp_group=None,
+                         vocab_size=None)
     assert abs(st.topk_kl.item() - 0.0424) < 1e-4
     for tail in ("aggregated", "uniform", "exact"):  # empty tail: all estimators agree
         assert abs(st.divergence_rate("kl", tail).item() + 0.0552) < 1e-12

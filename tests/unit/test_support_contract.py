@@ -61,7 +61,7 @@ def test_every_entry_point_refuses_the_same_bad_support(name):
         parse_generate_response(_body(top, sampled), top_logprobs=2, vocab_size=V)
     s_ids, f_ids, f_lp, f_valid = _tensors(top, sampled)
     with pytest.raises(ValueError, match=words):
-        pdm.token_stats(torch.zeros(2, V), s_ids, f_ids, f_lp, f_valid, vocab_size=V)
+        pdm.token_stats(torch.zeros(2, V), s_ids, f_ids, f_lp, f_valid, vocab_size=V, tp_group=None)
     with pytest.raises(support.SupportError, match=words):
         support.check_support(f_ids.numpy(), f_lp.numpy(), f_valid.numpy(), s_ids.numpy(), V,
                               np.array([x for x, _ in sampled]))
@@ -72,7 +72,7 @@ def test_good_support_passes_everywhere():
                                         vocab_size=V)
     s_ids, f_ids, f_lp, f_valid = _tensors(GOOD_TOP, GOOD_SAMPLED)
     assert torch.equal(sample.support_ids, f_ids) and torch.equal(sample.support_valid, f_valid)
-    pdm.token_stats(torch.zeros(2, V), s_ids, f_ids, f_lp, f_valid, vocab_size=V)
+    pdm.token_stats(torch.zeros(2, V), s_ids, f_ids, f_lp, f_valid, vocab_size=V, tp_group=None)
 
 
 def test_one_tolerance():

@@ -16,12 +16,14 @@ import megatron_pdm as pdm
 from megatron_pdm.ops.reference import reference_logprob, reference_token_stats
 from megatron_pdm.ops.stats import assemble_token_stats, exp_shift, is_sampled_slot, log_sums
 from megatron_pdm.parallel.shards import shard_info
-from megatron_pdm.parallel.vocab_parallel import (
+from megatron_pdm.parallel.shard_math import (
+    GradRows,
+    grad_in_storage,
+    grad_recomputed,
     mask_columns,
     masked_columns,
     pack_sums,
     restore_columns,
-    shard_logprob_grad,
     shard_tail_max,
     shard_tail_sums,
 )
@@ -61,7 +63,7 @@ def _ref(case, logits=None, temperature=1.0):
 def test_single_device_matches_reference(dtype, atol, k):
     case = make_case(0, 24, 301, k, padded_vocab=304, dtype=dtype)
     logits = case["logits"].clone().requires_grad_()
-    stats = pdm.token_stats(logits, *op_args(case), vocab_size=301, temperature=0.7)
+    stats = pdm.token_stats(logits, *op_args(case), vocab_size=301, temperature=0.7, tp_group=None)
     _compare(stats, _ref(case, temperature=0.7), atol)
     g = torch.randn(24, dtype=torch.float64)
     (stats.logprob.double() * g).sum().backward()
@@ -77,14 +79,14 @@ def test_sampled_inside_and_outside_topk():
     case = make_case(1, 64, 97, 3)
     inside = ~case["support_valid"][:, -1]
     assert inside.any() and (~inside).any()
-    stats = pdm.token_stats(case["logits"].double(), *op_args(case))
+    stats = pdm.token_stats(case["logits"].double(), *op_args(case), tp_group=None, vocab_size=None)
     _compare(stats, _ref(case), 1e-10)
 
 
 def test_bf16_logits_upcast_exactly():
     case = make_case(2, 16, 200, 4, dtype=torch.bfloat16)
     logits = case["logits"].clone().requires_grad_()
-    stats = pdm.token_stats(logits, *op_args(case))
+    stats = pdm.token_stats(logits, *op_args(case), tp_group=None, vocab_size=None)
     assert stats.logprob.dtype == torch.float32
     _compare(stats, _ref(case), 2e-6)
     stats.logprob.sum().backward()
@@ -94,7 +96,7 @@ def test_bf16_logits_upcast_exactly():
 def test_empty_batch():
     case = make_case(3, 0, 50, 3)
     logits = case["logits"].clone().requires_grad_()
-    stats = pdm.token_stats(logits, *op_args(case))
+    stats = pdm.token_stats(logits, *op_args(case), tp_group=None, vocab_size=None)
     assert stats.logprob.shape == (0,) and stats.divergence_rate("tv", "exact").shape == (0,)
     stats.logprob.sum().backward()
     assert logits.grad.shape == (0, 50)
@@ -108,7 +110,8 @@ def test_rows_without_support_and_small_chunks():
     case = make_case(4, 10, 120, 2)
     case["support_valid"][3] = False
     for chunk in (7, 1 << 24):  # 7 elements -> one row per chunk
-        stats = pdm.token_stats(case["logits"].double(), *op_args(case), chunk_elems=chunk)
+        stats = pdm.token_stats(case["logits"].double(), *op_args(case), chunk_elems=chunk,
+                                tp_group=None, vocab_size=None)
         assert not stats.has_support[3]
         assert stats.topk_kl[3] == 0 and stats.divergence_rate()[3] == 0
         ref = reference_logprob(case["logits"], case["sampled_ids"])
@@ -149,14 +152,17 @@ def _simulated(case, tp, temperature=1.0, chunk=1 << 24, inplace=False):
     ls = log_sums(tail_max, sums[:, :s], sums[:, s], sums[:, s + 1], sums[:, s + 2], valid, is_k)
     logprob = ls.sampled_rel - ls.log_z
     stats = assemble_token_stats(
-        logprob, tail_max, sums[:, :s], sums[:, s], sums[:, s + 1], sums[:, s + 2], lp, valid,
-        ids, sampled, case["vocab_size"])
+        logprob, ls, support_logprobs_NS=lp, support_valid_NS=valid, support_ids_NS=ids,
+        is_sampled_NS=is_k, vocab_size=case["vocab_size"])
     g = torch.ones(logits.shape[0], dtype=work)
-    grad = torch.cat([
-        shard_logprob_grad(p, c.idx_NM, c.owned_NM, is_k, g, ls.ref, ls.tail_rel, ls.log_z,
-                           ls.log_z_not_k, ls.support_rel, sh, temperature, chunk,
-                           in_storage=inplace)
-        for p, c, sh in zip(parts, cols, shards)], 1)
+
+    def local_grad(p, c, sh):
+        rows = GradRows.of(c, is_k, ls)
+        if inplace:
+            return grad_in_storage(p, rows, g, shard=sh, temperature=temperature)
+        return grad_recomputed(p, rows, g, shard=sh, temperature=temperature, chunk_elems=chunk)
+
+    grad = torch.cat([local_grad(p, c, sh) for p, c, sh in zip(parts, cols, shards)], 1)
     return stats, grad[:, :vp]
 
 
@@ -211,10 +217,10 @@ def test_bad_support_raises_naming_row(mutate, match):
     args = [args[0]] + [t.clone() for t in args[1:]]
     mutate(args)
     if match is None:
-        pdm.token_stats(*args)  # control: untouched inputs pass
+        pdm.token_stats(*args, tp_group=None, vocab_size=None)  # control: untouched inputs pass
         return
     with pytest.raises(ValueError, match=match):
-        pdm.token_stats(*args)
+        pdm.token_stats(*args, tp_group=None, vocab_size=None)
 
 
 def test_sampled_missing_from_support_and_shapes_and_vocab():
@@ -224,17 +230,17 @@ def test_sampled_missing_from_support_and_shapes_and_vocab():
     present = set(ids[row][valid[row]].tolist())
     k2[row] = next(i for i in range(40) if i not in present)
     with pytest.raises(ValueError, match=r"row 2: sampled id .* not a valid support entry"):
-        pdm.token_stats(logits, k2, ids, lp, valid)
+        pdm.token_stats(logits, k2, ids, lp, valid, tp_group=None, vocab_size=None)
     with pytest.raises(ValueError, match=r"support_logprobs: expected shape"):
-        pdm.token_stats(logits, k, ids, lp[:, :2], valid)
+        pdm.token_stats(logits, k, ids, lp[:, :2], valid, tp_group=None, vocab_size=None)
     with pytest.raises(ValueError, match=r"sampled_ids: expected shape"):
-        pdm.token_stats(logits, k[:3], ids, lp, valid)
+        pdm.token_stats(logits, k[:3], ids, lp, valid, tp_group=None, vocab_size=None)
     with pytest.raises(ValueError, match=r"vocab mismatch"):
-        pdm.token_stats(logits, k, ids, lp, valid, vocab_size=41)
+        pdm.token_stats(logits, k, ids, lp, valid, vocab_size=41, tp_group=None)
     k3 = k.clone()
     k3[4] = 45
     with pytest.raises(ValueError, match=r"sampled_ids: row 4: id 45 out of range"):
-        pdm.token_stats(logits, k3, ids, lp, valid)
+        pdm.token_stats(logits, k3, ids, lp, valid, tp_group=None, vocab_size=None)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -244,12 +250,13 @@ def test_inplace_matches_default_and_reuses_storage(dtype, temperature):
     and the gradient equal the default path's, and backward writes into the logits' storage."""
     case = make_case(6, 12, 150, 4, padded_vocab=152, dtype=dtype)
     ref = case["logits"].clone().requires_grad_()
-    ref_stats = pdm.token_stats(ref, *op_args(case), vocab_size=150, temperature=temperature)
+    ref_stats = pdm.token_stats(ref, *op_args(case), tp_group=None, vocab_size=150,
+                                temperature=temperature)
     g = torch.linspace(-1.0, 2.0, 12, dtype=ref_stats.logprob.dtype)
     (ref_stats.logprob * g).sum().backward()
     x = case["logits"].clone().requires_grad_()
     stats = pdm.token_stats(x, *op_args(case), vocab_size=150, temperature=temperature,
-                            inplace=True)
+                            inplace=True, tp_group=None)
     assert not torch.equal(x.detach(), case["logits"])  # the forward worked in the storage
     (stats.logprob * g).sum().backward()
     atol = 1e-12 if dtype == torch.float64 else 2e-6
@@ -264,7 +271,7 @@ def test_inplace_matches_default_and_reuses_storage(dtype, temperature):
 def test_inplace_is_ignored_for_bf16():
     case = make_case(7, 8, 100, 3, dtype=torch.bfloat16)
     x = case["logits"].clone()
-    pdm.token_stats(x, *op_args(case), vocab_size=100, inplace=True)
+    pdm.token_stats(x, *op_args(case), vocab_size=100, inplace=True, tp_group=None)
     assert torch.equal(x, case["logits"])
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
@@ -273,9 +280,9 @@ def test_non_finite_logits_raise_naming_row(bad):
     logits = logits.clone()
     logits[3, 7] = bad
     with pytest.raises(ValueError, match=r"logits: row 3 has non-finite values"):
-        pdm.token_stats(logits, k, ids, lp, valid)
+        pdm.token_stats(logits, k, ids, lp, valid, tp_group=None, vocab_size=None)
     # padding columns (ids >= vocab_size) never enter the softmax, whatever they hold
     padded = torch.cat([logits[:, :0].new_zeros(6, 0), _bad_inputs()[0],
                         torch.full((6, 2), bad)], dim=1)
-    stats = pdm.token_stats(padded, k, ids, lp, valid, vocab_size=40)
+    stats = pdm.token_stats(padded, k, ids, lp, valid, vocab_size=40, tp_group=None)
     assert torch.isfinite(stats.logprob).all()
