@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The op benchmark matrix of the README (issue 9): realistic and random inputs, fp32 and bf16,
+# The op benchmark matrix of docs/op.md: realistic and random inputs, fp32 and bf16,
 # 1 and 2 torch threads, Qwen3's vocabulary at TP 2 (V_local 75968) and TP 4 (37984), N up to
 # 8192. Every row is a ratio against Megatron's vocab_parallel_cross_entropy measured in the same
 # process (benchmarks/bench_op.py). Output: one JSON line per row in $OUT (default
-# runs/bench_op.jsonl) and the README table on stdout (benchmarks/op_table.py).
+# runs/bench_op.jsonl) and the docs/op.md table on stdout (benchmarks/op_table.py).
 # Usage: benchmarks/bench_op_matrix.sh [--quick]     (~20 min on 2 idle cores; --quick: N=512)
 set -euo pipefail
 cd "$(dirname "$0")/.."

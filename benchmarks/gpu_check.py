@@ -15,7 +15,7 @@
 3. op_bench: `token_stats` + `policy_loss` forward+backward vs megatron's
    `vocab_parallel_cross_entropy` on [tokens, 151936] logits (TP=1), median of `--iters`.
 
-Not run in CI (no GPU); numbers go to the README ("GPU check") only once measured on a device.
+Not run in CI (no GPU); numbers go to examples/qwen3_30b_a3b/README.md ("GPU check") only once measured on a device.
 """
 
 from __future__ import annotations

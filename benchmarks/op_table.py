@@ -1,4 +1,4 @@
-"""Formats bench_op.py's JSON lines as the README's table (one row per shape / dtype / variant,
+"""Formats bench_op.py's JSON lines as docs/op.md's table (one row per shape / dtype / variant,
 the 1- and 2-thread ratios side by side). Usage: python benchmarks/op_table.py runs/bench_op.jsonl"""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """rollout_bridge: rollouts with behaviour-policy top-K support, from SGLang, vLLM or in-process.
 
-Public API (README, "Rollout bridge")::
+Public API (docs/rollouts.md)::
 
     from rollout_bridge import SGLangEngine, LocalEngine, parse_generate_response
     samples = parse_generate_response(body, top_logprobs=20, vocab_size=None)

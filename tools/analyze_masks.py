@@ -1,4 +1,4 @@
-"""Token-level mask study: does the predictive direction keep fewer unsafe updates? (issue 13)
+"""Token-level mask study: does the predictive direction keep fewer unsafe updates?
 
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 tools/analyze_masks.py \
         --config examples/tiny_cpu/config.yaml --run-dir runs/tiny_cpu --out-dir runs/masks \

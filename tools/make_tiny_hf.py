@@ -1,4 +1,4 @@
-"""Write the tiny random HF Qwen3-MoE of the README's conversion example (no download).
+"""Write the tiny random HF Qwen3-MoE of the conversion example in docs/conversion.md (no download).
 
     python tools/make_tiny_hf.py --out ckpt/tiny_hf [--seed 0] [--expert-layout per_expert|fused]
 

@@ -2,7 +2,7 @@
 # PDM RL on Qwen3-30B-A3B with megatron-core: multi-node torchrun, Transformer Engine FP8
 # (e4m3, blockwise scaling) training and FP8 rollout weights, TP4 + SP, EP8.
 # Identical to train_pdm.sh except for PRECISION_ARGS; needs Hopper+ GPUs and the TE spec
-# (convert with --key-style te). Memory: weights + 1 byte/param FP8 copy (see README).
+# (convert with --key-style te). Memory: weights + 1 byte/param FP8 copy (see examples/qwen3_30b_a3b/README.md).
 #
 # Hardware: NNODES x 8 GPUs with >= 80 GB each (H100/H200), NVLink inside a node, InfiniBand
 #   between nodes; a separate pool of GPUs runs the SGLang rollout servers (launch_sglang.sh).

@@ -1,4 +1,4 @@
-"""Token-level analysis of the trust-region masks (issue 13; docs/math.md §3.7).
+"""Token-level analysis of the trust-region masks (docs/math.md §3.7).
 
 Does the predictive direction keep fewer unsafe updates? For each seed the study fixes a model +
 optimizer state and a batch, computes D, the masks and Ddot of several direction criteria on the

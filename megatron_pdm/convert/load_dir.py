@@ -5,9 +5,11 @@
     <dir>/pdm_model.json                      architecture, layout at import, dtype, key style
     <dir>/hf_assets/                          tokenizer and generation config of the source
 
-Megatron-LM (`megatron/training/checkpointing.py`, NVIDIA/Megatron-LM @ d98e8a64) reads a
+Megatron-LM (`megatron/training/checkpointing.py` of https://github.com/NVIDIA/Megatron-LM at
+d98e8a64) reads a
 `--load` directory as follows, and this layout is what its weights-only (converted) checkpoints
-look like; slime's `tools/convert_hf_to_torch_dist.py` writes the same (it moves `iter_0000001`
+look like; slime's converter (https://github.com/THUDM/slime/blob/main/tools/convert_hf_to_torch_dist.py)
+writes the same (it moves `iter_0000001`
 to `release` and writes "release" into the tracker):
 - `get_checkpoint_tracker_filename` (l. 375): the tracker is
   `<load>/latest_checkpointed_iteration.txt`;

@@ -1,4 +1,4 @@
-"""The tiny random HF Qwen3-MoE used by the conversion tests and the README's conversion example.
+"""The tiny random HF Qwen3-MoE used by the conversion tests and the conversion example of docs/conversion.md.
 
 vocab 1000, hidden 64, 2 layers, 4 query heads / 2 KV groups of width 16, 8 experts top-2
 (moe_intermediate 32), untied embeddings, RoPE base 1e6; weights drawn by transformers' own

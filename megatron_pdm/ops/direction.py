@@ -24,7 +24,7 @@ get the one-sided rule of §3.6: moving away from equality always increases TV, 
 
 Binary (§3.5): the same formulas with S = {k}; their sign equals sign(r - 1) (tested).
 
-Cancellation (§6, issue 9): with pi_k -> 1 the textbook forms subtract nearly equal numbers:
+Cancellation (§6): with pi_k -> 1 the textbook forms subtract nearly equal numbers:
 1 - 2 pi_k + P2, P2 - pi_k^2 and pi_k - P2 lose every digit in fp32 once 1 - pi_k < ~3e-4. The
 op provides the exact complements 1 - pi_k (= e^{log Z_-k - log Z}) and Q = sum_{j != k} pi_j^2
 (`p2_not_k`), and every formula here is written with them:

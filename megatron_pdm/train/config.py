@@ -167,7 +167,7 @@ class RolloutConfig:
     max_retries: int = 3
     """Server engines: retries of a failed sample before it is reported as failed."""
     topk_transport: Literal["json", "flat_b64", "scoring_b64"] = "json"
-    """engine=sglang: "json", "flat_b64" or "scoring_b64" (README, "Binary top-K path")."""
+    """engine=sglang: "json", "flat_b64" or "scoring_b64" (docs/engines.md)."""
     keep_synced: int = 2
     """engine=sglang: exported weight directories kept on disk (older ones are deleted)."""
     overlap: bool = False

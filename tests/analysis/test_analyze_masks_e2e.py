@@ -1,4 +1,4 @@
-"""tools/analyze_masks.py end to end on the tiny CPU model (2 gloo processes, issue 13).
+"""tools/analyze_masks.py end to end on the tiny CPU model (2 gloo processes).
 
 One short driver run (TP=2, the default DistributedOptimizer, `log.save_rollouts=2`, a dense
 partial-credit reward so that a short warm-up already gives non-zero advantages) provides

@@ -1,4 +1,4 @@
-"""The study's counts and rates on a free-logit policy equal hand-computed ones (issue 13).
+"""The study's counts and rates on a free-logit policy equal hand-computed ones.
 
 A free-logit policy (the logits of 600 independent states are the parameters) takes one SGD step
 on the summed surrogate, so each token's logits move by exactly eta * A min(r, C) M (e_k - pi)

@@ -226,8 +226,8 @@ def test_script_header_memory_is_the_dry_run(script, monkeypatch, capsys):
 
 
 def test_readme_memory_table_is_the_dry_run(monkeypatch, capsys):
-    """README's per-GPU memory table: every row equals the scripts' --dry-run output."""
-    readme = (ROOT / "README.md").read_text()
+    """The cluster README's per-GPU memory table: every row equals the scripts' --dry-run output."""
+    readme = (ROOT / "examples" / "qwen3_30b_a3b" / "README.md").read_text()
     rows = re.findall(r"^\| `(train_pdm(?:_fp8)?\.sh)` \| (\d+) \(\d+×8\) \| \d+ \| (\d+) × 8192 \| "
                       + r" \| ".join([r"([\d.]+) GiB"] * 6) + r" \|$", readme, re.M)
     assert len(rows) >= 4, "README has no memory table generated from --dry-run"

@@ -68,3 +68,59 @@ def test_referenced_docs_exist():
            for m in ref.findall(p.read_text(errors="replace"))
            if not (ROOT / "docs" / m).exists()]
     assert not bad, bad
+
+
+# Top-level folders and files of this repository: a reference that starts with one of them is a
+# path inside the repository and must resolve.
+_TOP = ("megatron_pdm", "rollout_bridge", "tests", "docs", "benchmarks", "scripts", "tools",
+        "examples", "constraints", ".ci")
+_PATH = re.compile(r"(?<![\w./-])((?:%s)/[\w./{},*-]*[\w}*])" % "|".join(re.escape(t) for t in _TOP))
+# Paths written by a run or by the environment scripts, not part of the tree.
+_GENERATED = ("runs/", ".cache/", ".venv")
+
+
+def _expand(ref: str) -> list[str]:
+    """`megatron_pdm/{ops,parallel}` -> both paths; a `*` glob is kept for globbing."""
+    m = re.search(r"\{([^{}]*)\}", ref)
+    if not m:
+        return [ref]
+    return [x for alt in m.group(1).split(",")
+            for x in _expand(ref[:m.start()] + alt + ref[m.end():])]
+
+
+def _resolves(ref: str) -> bool:
+    ref = ref.split("::")[0].rstrip(".,:;")
+    ref = re.sub(r":\d+(-\d+)?$", "", ref)
+    for path in _expand(ref):
+        if "*" in path:
+            if not list(ROOT.glob(path)):
+                return False
+        elif not (ROOT / path).exists() and not (ROOT / (path + ".py")).exists():
+            return False
+    return True
+
+
+def test_every_repository_path_resolves():
+    """Every path into the tree named in README, docs or code exists (the history in
+    CHANGELOG.md may name what has since moved)."""
+    bad = []
+    for path in list(_files()) + [ROOT / "Makefile"]:
+        rel = path.relative_to(ROOT)
+        if rel.name in ("CHANGELOG.md", "test_docs.py"):
+            continue
+        for lineno, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            for ref in _PATH.findall(line):
+                if any(g in ref for g in _GENERATED) or "<" in ref:
+                    continue
+                if not _resolves(ref):
+                    bad.append(f"{rel}:{lineno}: {ref}")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_tracker_references():
+    """No file cites an issue tracker the reader does not have ("issue 9", "issue #13")."""
+    tracker = re.compile(r"\bissues?\s*#?\d+\b", re.I)
+    bad = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in list(_files()) + [ROOT / "Makefile"]
+           for i, line in enumerate(p.read_text(errors="replace").splitlines(), 1)
+           if tracker.search(line) and p.name != "test_docs.py"]
+    assert not bad, "\n".join(bad)

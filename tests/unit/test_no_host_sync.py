@@ -1,4 +1,4 @@
-"""No device -> host synchronisation in the hot path (issue 9).
+"""No device -> host synchronisation in the hot path.
 
 On a GPU an op whose output size or Python value depends on tensor data (`nonzero`, `.item()`,
 `bool(t)`, boolean-mask indexing, `unique`, ...) stalls the pipeline until the device has caught

@@ -1,8 +1,8 @@
-"""The op and the loss at the edges (issue 9): -inf logits, extreme logit gaps, thresholds in the
+"""The op and the loss at the edges: -inf logits, extreme logit gaps, thresholds in the
 statistics' dtype, exact complements in the binary-TV rate, padding seq ids, the vocab_size type.
 
 Every test names the value it expects and where it comes from (a float64 oracle or a closed
-form); each one failed on the code before issue 9 (bf18be2), see the issue report.
+form); each one failed on the code before commit bf18be2.
 """
 
 import math
