@@ -12,7 +12,7 @@ resume), `rollout.weight_sync`:
 
 * "distributed" (no disk): `convert.live.iter_hf_groups` gathers the live, sharded model (any
   TP/EP/PP) as full HF tensors on rank 0, one layer group at a time, and
-  `rollout_bridge.sglang_weights.DistributedWeightSender` streams them to every server: one
+  `rollout_bridge.sglang.weights.DistributedWeightSender` streams them to every server: one
   weight-update group (trainer rank 0 + every server TP rank, created once with
   /init_weights_update_group and rank offsets per server), buckets of `weight_sync_bucket_mb`
   posted with /update_weights_from_distributed while rank 0 broadcasts them (NCCL on GPUs, gloo
@@ -76,7 +76,7 @@ class SGLangRollout(ServerRollout):
 
     def _make_client(self):
         from rollout_bridge import SGLangEngine
-        from rollout_bridge.sglang_http import read_api_key
+        from rollout_bridge.sglang.http import read_api_key
 
         r = self.cfg.rollout
         key = read_api_key(r.sglang_api_key_env, r.sglang_api_key_file)
@@ -92,7 +92,7 @@ class SGLangRollout(ServerRollout):
             vocab_size=self.arch.vocab_size, raise_on_failure=True,
             topk_transport=r.topk_transport)
         if r.weight_sync == "distributed":
-            from rollout_bridge.sglang_weights import DistributedWeightSender
+            from rollout_bridge.sglang.weights import DistributedWeightSender
 
             port = r.weight_sync_master_port or _free_port(r.weight_sync_master_addr)
             self.sender = DistributedWeightSender(
@@ -130,7 +130,7 @@ class SGLangRollout(ServerRollout):
         if dist.get_rank() == 0:
             digests: list[str] | None = [] if r.weight_sync_digest else None
 
-            from rollout_bridge.weights import combine_digests, tensor_digest
+            from rollout_bridge.core.weights import combine_digests, tensor_digest
 
             def named():
                 for _, group in groups:

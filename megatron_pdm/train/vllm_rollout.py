@@ -1,6 +1,6 @@
 """Rollouts from a vLLM server and the in-memory weight sync that keeps it on-policy (`engine: vllm`).
 
-Rollout: global rank 0 sends the iteration's prompts to `rollout_bridge.vllm_client.VLLMEngine`
+Rollout: global rank 0 sends the iteration's prompts to `rollout_bridge.vllm.client.VLLMEngine`
 (`rollout.vllm_url`; token ids in, top-K log-probs with ids out, one seed per sample); the rank-0
 driving, the background generation of `rollout.overlap`, the version check and the broadcast to
 every rank are `ServerRollout`'s (server_rollout.py).
@@ -52,7 +52,7 @@ class VLLMRollout(ServerRollout):
         super().__init__(cfg, arch, trainer_module_fn)
 
     def _make_client(self):
-        from rollout_bridge.vllm_client import VLLMEngine
+        from rollout_bridge.vllm.client import VLLMEngine
 
         r = self.cfg.rollout
         key = os.environ.get(r.vllm_api_key_env)

@@ -31,9 +31,9 @@ from rollout_bridge import (
     WeightSyncError,
     check_weight_version,
 )
-from rollout_bridge.parse_flat import scoring_rows
-from rollout_bridge.types import RolloutValidationError
-from rollout_bridge.weights import save_hf_safetensors
+from rollout_bridge.sglang.parse_flat import scoring_rows
+from rollout_bridge.core.types import RolloutValidationError
+from rollout_bridge.core.weights import save_hf_safetensors
 
 PARAMS = {"temperature": 1.0, "max_new_tokens": 6}
 

@@ -22,10 +22,10 @@ from rollout_bridge import (
     RolloutFailedError,
     RolloutValidationError,
     WeightSyncError,
-    vllm_http,
 )
-from rollout_bridge.parse_vllm import parse_completion_choice
-from rollout_bridge.vllm_client import VLLMEngine
+from rollout_bridge.vllm import http as vllm_http
+from rollout_bridge.vllm.parse import parse_completion_choice
+from rollout_bridge.vllm.client import VLLMEngine
 
 PARAMS = {"temperature": 1.0, "max_new_tokens": 6}
 KEY = "k3y"

@@ -28,9 +28,9 @@ from typing import Any
 
 import aiohttp
 
-from rollout_bridge.decode import MalformedResponseError, loads
-from rollout_bridge.engine import AttemptError, run_sync
-from rollout_bridge.types import EngineMismatchError
+from rollout_bridge.core.decode import MalformedResponseError, loads
+from rollout_bridge.core.engine import AttemptError, run_sync
+from rollout_bridge.core.types import EngineMismatchError
 
 logger = logging.getLogger(__name__)
 

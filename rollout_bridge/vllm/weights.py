@@ -32,9 +32,9 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from rollout_bridge.engine import AttemptError, run_sync
-from rollout_bridge.types import WeightSyncError
-from rollout_bridge.vllm_http import VLLMControl
+from rollout_bridge.core.engine import AttemptError, run_sync
+from rollout_bridge.core.types import WeightSyncError
+from rollout_bridge.vllm.http import VLLMControl
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ class VLLMWeightSync(VLLMControl):
         """
         from safetensors.torch import save
 
-        from rollout_bridge.vllm_worker_ext import canonical_digest
+        from rollout_bridge.vllm.worker_ext import canonical_digest
 
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
         t0 = time.perf_counter()

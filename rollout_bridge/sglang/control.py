@@ -22,8 +22,8 @@ import logging
 import os
 from typing import Any
 
-from rollout_bridge.sglang_http import ROUTES, SGLangHTTP, SGLangServerError
-from rollout_bridge.types import EngineMismatchError
+from rollout_bridge.sglang.http import ROUTES, SGLangHTTP, SGLangServerError
+from rollout_bridge.core.types import EngineMismatchError
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from rollout_bridge.types import (
+from rollout_bridge.core.types import (
     RolloutBatch,
     RolloutFailedError,
     RolloutFailure,

@@ -34,17 +34,17 @@ import random
 import threading
 from typing import Any
 
-from rollout_bridge.decode import MalformedResponseError
-from rollout_bridge.engine import AttemptError, assemble_batch, check_sampling_params, run_sync
-from rollout_bridge.parse_vllm import parse_completion_choice
-from rollout_bridge.types import (
+from rollout_bridge.core.decode import MalformedResponseError
+from rollout_bridge.core.engine import AttemptError, assemble_batch, check_sampling_params, run_sync
+from rollout_bridge.vllm.parse import parse_completion_choice
+from rollout_bridge.core.types import (
     EngineMismatchError,
     RolloutBatch,
     RolloutFailure,
     RolloutSample,
     RolloutValidationError,
 )
-from rollout_bridge.vllm_weights import VLLMWeightSync, _CallState
+from rollout_bridge.vllm.weights import VLLMWeightSync, _CallState
 
 logger = logging.getLogger(__name__)
 

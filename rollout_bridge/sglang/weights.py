@@ -45,9 +45,9 @@ from typing import Any
 
 import torch
 
-from rollout_bridge.sglang_control import SGLangControl
-from rollout_bridge.sglang_http import SGLangServerError
-from rollout_bridge.types import EngineMismatchError, WeightSyncError
+from rollout_bridge.sglang.control import SGLangControl
+from rollout_bridge.sglang.http import SGLangServerError
+from rollout_bridge.core.types import EngineMismatchError, WeightSyncError
 
 logger = logging.getLogger(__name__)
 

@@ -51,19 +51,19 @@ from typing import Any
 import aiohttp
 import torch
 
-from rollout_bridge.decode import MalformedResponseError, loads
-from rollout_bridge.engine import (
+from rollout_bridge.core.decode import MalformedResponseError, loads
+from rollout_bridge.core.engine import (
     LOGIT_MODIFIERS,
     AttemptError,
     assemble_batch,
     check_sampling_params,
     run_sync,
 )
-from rollout_bridge.parse import parse_response_object
-from rollout_bridge.parse_flat import parse_scoring_response
-from rollout_bridge.sglang_http import ROUTES, error_message
-from rollout_bridge.sglang_weights import SGLangWeightSync
-from rollout_bridge.types import (
+from rollout_bridge.sglang.parse import parse_response_object
+from rollout_bridge.sglang.parse_flat import parse_scoring_response
+from rollout_bridge.sglang.http import ROUTES, error_message
+from rollout_bridge.sglang.weights import SGLangWeightSync
+from rollout_bridge.core.types import (
     RolloutBatch,
     RolloutFailure,
     RolloutSample,

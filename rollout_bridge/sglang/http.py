@@ -28,8 +28,8 @@ from typing import Any
 
 import aiohttp
 
-from rollout_bridge.decode import MalformedResponseError, loads
-from rollout_bridge.engine import run_sync
+from rollout_bridge.core.decode import MalformedResponseError, loads
+from rollout_bridge.core.engine import run_sync
 
 # Every (method, path) the client sends, by purpose. tests/sglang_api checks each against the
 # installed sglang's HTTP app (both supported versions); tests/bridge/fake_sglang.py serves them.
