@@ -136,7 +136,7 @@ def bare_broadcast(sizes: list[int], receivers: int, reps: int, fresh: bool) -> 
     """Seconds per rep of broadcasting buffers of `sizes` bytes from here (rank 0)."""
     import torch.distributed as dist
 
-    from rollout_bridge.sglang.weights import join_weight_update_group
+    from rollout_bridge.sglang.broadcast import join_weight_update_group
 
     port, world = _port(), receivers + 1
     ctx = mp.get_context("spawn")
@@ -166,7 +166,7 @@ def push_times(named, servers, reps: int, load_format: str | None = "flattened_b
                ) -> tuple[list[float], list[int]]:
     """Seconds per rep of `DistributedWeightSender.push` into the fake servers."""
     from rollout_bridge import SGLangEngine
-    from rollout_bridge.sglang.weights import DistributedWeightSender, buckets
+    from rollout_bridge.sglang.broadcast import DistributedWeightSender, buckets
 
     client = SGLangEngine([s.url for s in servers], top_logprobs=1, timeout_s=600)
     sender = DistributedWeightSender(client, master_address="127.0.0.1", master_port=_port(),
@@ -192,7 +192,7 @@ def disk_times(named, workdir: Path, reps: int) -> tuple[list[float], list[float
     """(write seconds, read seconds) per rep: safetensors, one file per bucket, cold read."""
     from safetensors.torch import load_file, save_file
 
-    from rollout_bridge.sglang.weights import buckets
+    from rollout_bridge.sglang.broadcast import buckets
 
     writes, reads = [], []
     for r in range(reps):

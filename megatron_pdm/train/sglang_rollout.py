@@ -76,7 +76,7 @@ class SGLangRollout(ServerRollout):
 
     def _make_client(self):
         from rollout_bridge import SGLangEngine
-        from rollout_bridge.sglang.http import read_api_key
+        from rollout_bridge.core.apikey import read_api_key
 
         r = self.cfg.rollout
         key = read_api_key(r.sglang_api_key_env, r.sglang_api_key_file)
@@ -92,7 +92,7 @@ class SGLangRollout(ServerRollout):
             vocab_size=self.arch.vocab_size, raise_on_failure=True,
             topk_transport=r.topk_transport)
         if r.weight_sync == "distributed":
-            from rollout_bridge.sglang.weights import DistributedWeightSender
+            from rollout_bridge.sglang.broadcast import DistributedWeightSender
 
             port = r.weight_sync_master_port or _free_port(r.weight_sync_master_addr)
             self.sender = DistributedWeightSender(

@@ -52,11 +52,12 @@ class VLLMRollout(ServerRollout):
         super().__init__(cfg, arch, trainer_module_fn)
 
     def _make_client(self):
+        from rollout_bridge.core.apikey import read_api_key
         from rollout_bridge.vllm.client import VLLMEngine
 
         r = self.cfg.rollout
-        key = os.environ.get(r.vllm_api_key_env)
-        if not key:
+        key = read_api_key(r.vllm_api_key_env)
+        if key is None:
             logger.warning("rollout.vllm_api_key_env=%s is not set: requests carry no API key",
                            r.vllm_api_key_env)
         return VLLMEngine(

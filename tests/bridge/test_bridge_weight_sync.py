@@ -21,7 +21,7 @@ from conftest import VOCAB, TinyLM, prompts
 from fake_proc import FakeServerProcess
 
 from rollout_bridge import SGLangEngine, WeightSyncError
-from rollout_bridge.sglang.weights import DistributedWeightSender, buckets
+from rollout_bridge.sglang.broadcast import DistributedWeightSender, buckets
 from rollout_bridge.core.weights import state_digest
 
 pytestmark = pytest.mark.slow

@@ -19,7 +19,7 @@ import pytest
 from fake_proc import FakeServerProcess
 
 from rollout_bridge import EngineMismatchError, SGLangEngine
-from rollout_bridge.sglang.weights import DistributedWeightSender
+from rollout_bridge.sglang.broadcast import DistributedWeightSender
 from rollout_bridge.core.weights import state_digest
 
 pytestmark = pytest.mark.sglang_api
