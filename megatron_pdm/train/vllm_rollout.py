@@ -1,7 +1,7 @@
 """Rollouts from a vLLM server and the in-memory weight sync that keeps it on-policy (`engine: vllm`).
 
 Rollout: global rank 0 sends the iteration's prompts to `rollout_bridge.vllm.client.VLLMEngine`
-(`rollout.vllm_url`; token ids in, top-K log-probs with ids out, one seed per sample); the rank-0
+(`rollout.vllm.url`; token ids in, top-K log-probs with ids out, one seed per sample); the rank-0
 driving, the background generation of `rollout.overlap`, the version check and the broadcast to
 every rank are `ServerRollout`'s (server_rollout.py).
 
@@ -56,21 +56,21 @@ class VLLMRollout(ServerRollout):
         from rollout_bridge.vllm.client import VLLMEngine
 
         r = self.cfg.rollout
-        key = read_api_key(r.vllm_api_key_env)
+        key = read_api_key(r.vllm.api_key_env)
         if key is None:
-            logger.warning("rollout.vllm_api_key_env=%s is not set: requests carry no API key",
-                           r.vllm_api_key_env)
+            logger.warning("rollout.vllm.api_key_env=%s is not set: requests carry no API key",
+                           r.vllm.api_key_env)
         return VLLMEngine(
-            r.vllm_url, top_logprobs=r.top_logprobs, api_key=key, timeout_s=r.timeout_s,
+            r.vllm.url, top_logprobs=r.top_logprobs, api_key=key, timeout_s=r.timeout_s,
             max_retries=r.max_retries, seed=self.cfg.seed, vocab_size=self.arch.vocab_size,
-            raise_on_failure=True, recover_timeout_s=r.vllm_restart_wait_s,
-            allow_insecure_dev_routes=r.vllm_allow_insecure_dev_routes)
+            raise_on_failure=True, recover_timeout_s=r.vllm.restart_wait_s,
+            allow_insecure_dev_routes=r.vllm.allow_insecure_dev_routes)
 
     def _check_server(self) -> dict:
         info = self.client.check_server()
         facts = info["facts"][0]
         logger.info("vLLM server %s: model %s, vLLM %s, dtype %s, vocab %s, weight version %s, "
-                    "dev routes %s", self.cfg.rollout.vllm_url, info["model"],
+                    "dev routes %s", self.cfg.rollout.vllm.url, info["model"],
                     facts.get("vllm_version"), facts.get("dtype"), facts.get("vocab_size"),
                     info["weight_version"],
                     "guarded by the API key" if info["dev_routes_guarded"] else "OPEN")

@@ -113,7 +113,7 @@ class VLLMControl:
                        "BearerAuthEverywhereMiddleware (--middleware)")
                 if not (is_loopback_url(self.http.base_url) or self.allow_insecure_dev_routes):
                     raise EngineMismatchError(msg + ", or pass allow_insecure_dev_routes=True "
-                                              "(rollout.vllm_allow_insecure_dev_routes) if the "
+                                              "(rollout.vllm.allow_insecure_dev_routes) if the "
                                               "network is trusted")
                 logger.warning("%s; accepted: loopback address or explicit opt-in", msg)
             try:
