@@ -2,7 +2,7 @@
 
 What is timed, per tensor set, on this machine (every process on 127.0.0.1, gloo):
 
-* push: `DistributedWeightSender.push` (rollout_bridge/sglang_weights.py), the driver's path,
+* push: `DistributedWeightSender.push` (rollout_bridge/sglang/broadcast.py), the driver's path,
   into `--servers` fake SGLang server processes (tests/bridge/fake_sglang.py, receivers following
   SGLang's protocol, `--discard-weights`: received, not loaded): pause -> begin -> per bucket an
   HTTP /update_weights_from_distributed to every server + the broadcast -> end -> continue ->

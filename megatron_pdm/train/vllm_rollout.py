@@ -11,7 +11,7 @@ optimizer steps, after a resume):
    TP/EP/PP) as full HF-named tensors on global rank 0, one layer group at a time (vocabulary
    padding stripped) - no checkpoint, no disk;
 2. rank 0 serialises them as one safetensors blob and `VLLMEngine.update_weights` sends it,
-   base64, through `/collective_rpc` to the worker extension (rollout_bridge/vllm_worker_ext.py),
+   base64, through `/collective_rpc` to the worker extension (rollout_bridge/vllm/worker_ext.py),
    which reloads the weights in place and re-runs the CPU MoE expert prepack that vLLM 0.32.0
    skips on reload; the worker's digest of what it loaded must equal the trainer's
    (`canonical_digest`), then the version is set and read back.

@@ -200,7 +200,7 @@ class VLLMServer:
         ext_dir = self.workdir / "ext"
         ext_dir.mkdir(exist_ok=True)
         # A copy as a top-level module: putting rollout_bridge/ on the path would shadow the
-        # standard library's `types` (rollout_bridge/vllm_worker_ext.py docstring).
+        # standard library's `types` (rollout_bridge/vllm/worker_ext.py docstring).
         shutil.copy(ROOT / "rollout_bridge" / "vllm" / "worker_ext.py", ext_dir / f"{EXT_MODULE}.py")
         env = {k: v for k, v in os.environ.items()
                if k not in ("PYTHONPATH", "VLLM_API_KEY", "RANK", "WORLD_SIZE", "LOCAL_RANK",
