@@ -53,7 +53,13 @@ import torch
 
 from rollout_bridge.core.decode import MalformedResponseError, loads
 from rollout_bridge.core.apikey import ApiKey
-from rollout_bridge.core.engine import AttemptError, assemble_batch, delegate, run_sync
+from rollout_bridge.core.engine import (
+    AttemptError,
+    assemble_batch,
+    attribute,
+    delegate,
+    run_sync,
+)
 from rollout_bridge.sglang.parse import parse_response_object
 from rollout_bridge.sglang.parse_flat import parse_scoring_response
 from rollout_bridge.sglang.control import SGLangControl
@@ -132,14 +138,14 @@ class SGLangEngine:
 
     # ------------------------------------------------------------------ the parts' faces
 
-    base_urls = property(lambda self: self.http.base_urls, doc="The servers, in order.")
+    base_urls = attribute("http", "base_urls", "The servers, in order.")
     base_url = property(lambda self: self.http.base_url, doc="The first server.")
     has_api_key = property(lambda self: self.http.has_api_key)
-    control_timeout_s = property(lambda self: self.http.control_timeout_s)
-    vocab_size = property(lambda self: self.control.vocab_size)
-    expected_model_path = property(lambda self: self.control.expected_model_path)
-    pause_mode = property(lambda self: self.control.pause_mode)
-    model_info = property(lambda self: self.control.model_info)
+    control_timeout_s = attribute("http", "control_timeout_s")
+    vocab_size = attribute("control", "vocab_size")
+    expected_model_path = attribute("control", "expected_model_path")
+    pause_mode = attribute("control", "pause_mode")
+    model_info = attribute("control", "model_info")
 
     check_server = delegate("control", SGLangControl.check_server)
     weight_versions = delegate("control", SGLangControl.weight_versions)

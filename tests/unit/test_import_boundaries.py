@@ -6,9 +6,9 @@ Two views of the same rule:
   and `tools/` (module level and inside functions) is an edge between project units (`ops`,
   `parallel`, `loss`, `mcore`, `train`, ..., the face `rollout_bridge` and its subpackages
   `rb.core`, `rb.sglang`, `rb.vllm`, `rb.local`: core knows no engine, the engines do not import
-  each other). Each unit may only depend on
-  the units listed in ALLOWED: nothing points from a lower layer to an upper one. Inside the
-  package, modules import modules, never names from the package face `megatron_pdm/__init__`.
+  each other). Each unit may only depend on the units listed in ALLOWED: nothing points from a
+  lower layer to an upper one. Inside the package, modules import modules, never names from the
+  package face `megatron_pdm/__init__`.
   The module-level import graph has no cycle.
 * Dynamic: in a fresh interpreter, importing a module loads nothing above it (importing
   `megatron_pdm.ops` loads neither `parallel`, `loss` nor megatron; the pure modules load no
