@@ -8,13 +8,13 @@ key (SGLang --api-key) comes from `rollout.sglang.api_key_file` or the environme
 by `rollout.sglang.api_key_env`; only those names are in the config.
 
 Weight sync (after each iteration's optimizer steps, once before the first rollout, after a
-resume), `rollout.weight_sync`:
+resume), `rollout.weight_sync.mode`:
 
 * "distributed" (no disk): `convert.live.iter_hf_groups` gathers the live, sharded model (any
   TP/EP/PP) as full HF tensors on rank 0, one layer group at a time, and
-  `rollout_bridge.sglang.weights.DistributedWeightSender` streams them to every server: one
+  `rollout_bridge.sglang.broadcast.DistributedWeightSender` streams them to every server: one
   weight-update group (trainer rank 0 + every server TP rank, created once with
-  /init_weights_update_group and rank offsets per server), buckets of `weight_sync_bucket_mb`
+  /init_weights_update_group and rank offsets per server), buckets of `weight_sync.bucket_mb`
   posted with /update_weights_from_distributed while rank 0 broadcasts them (NCCL on GPUs, gloo
   on CPUs), the next layer gathered while a bucket is on the wire, all inside one
   pause -> begin_weight_update ... end_weight_update -> continue session; the last bucket sets

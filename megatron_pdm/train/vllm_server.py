@@ -201,11 +201,13 @@ class VLLMServer:
         ext_dir.mkdir(exist_ok=True)
         # A copy as a top-level module: putting rollout_bridge/ on the path would shadow the
         # standard library's `types` (rollout_bridge/vllm/worker_ext.py docstring).
-        shutil.copy(ROOT / "rollout_bridge" / "vllm" / "worker_ext.py", ext_dir / f"{EXT_MODULE}.py")
+        shutil.copy(ROOT / "rollout_bridge" / "vllm" / "worker_ext.py",
+                    ext_dir / f"{EXT_MODULE}.py")
         env = {k: v for k, v in os.environ.items()
                if k not in ("PYTHONPATH", "VLLM_API_KEY", "RANK", "WORLD_SIZE", "LOCAL_RANK",
                             "MASTER_ADDR", "MASTER_PORT")}
-        env.update(VLLM_SERVER_DEV_MODE="1", VLLM_API_KEY=self.api_key.reveal(), PYTHONPATH=str(ext_dir),
+        env.update(VLLM_SERVER_DEV_MODE="1", VLLM_API_KEY=self.api_key.reveal(),
+                   PYTHONPATH=str(ext_dir),
                    VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "INFO"),
                    PYTHONUNBUFFERED="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
                    HF_HUB_OFFLINE="1")

@@ -223,7 +223,8 @@ class SGLangEngine:
         outcomes: dict[tuple[int, int], RolloutSample | RolloutFailure] = {}
         sem = asyncio.Semaphore(self.max_concurrency)
         connector = aiohttp.TCPConnector(limit=self.max_concurrency)
-        async with aiohttp.ClientSession(connector=connector, headers=self.http.headers()) as session:
+        async with aiohttp.ClientSession(connector=connector,
+                                         headers=self.http.headers()) as session:
             await asyncio.gather(*(
                 self._run_prompt(session, sem, p, list(prompt), params, temperature, n, outcomes)
                 for p, prompt in enumerate(prompt_ids)))

@@ -97,7 +97,8 @@ class SGLangControl:
         info = dict(infos[0], weight_version=versions[0], num_servers=len(self.http.base_urls))
         self.model_info = info
         logger.info("SGLang: %d server(s) ok (%s), model %s, weight_version %s, API key %s",
-                    len(self.http.base_urls), ", ".join(self.http.base_urls), info.get("model_path"),
+                    len(self.http.base_urls), ", ".join(self.http.base_urls),
+                    info.get("model_path"),
                     versions[0], "sent" if self.http.has_api_key else "not set")
         return info
 

@@ -3,9 +3,10 @@
 What: `SGLangHTTP`, the transport the SGLang client's parts share (`SGLangControl`,
 `SGLangWeightSync`, `SGLangEngine` hold one), keeps the list of server base URLs and the API key,
 sends control requests (one server or all of them concurrently) and turns every non-2xx answer
-into an error that names the server, the route and SGLang's own message. `ROUTES` lists every (method, path) the client
-calls; CI checks each one against the route table of the installed sglang package
-(tests/sglang_api), so a route that does not exist in a supported release cannot be used.
+into an error that names the server, the route and SGLang's own message. `ROUTES` lists every
+(method, path) the client calls; CI checks each one against the route table of the installed
+sglang package (tests/sglang_api), so a route that does not exist in a supported release cannot
+be used.
 
 API key (SGLang `--api-key`): sent as `Authorization: Bearer <key>` on every request, which is
 what SGLang's middleware checks (sglang/srt/utils/auth.py, 0.5.22/0.5.23). The key is held in

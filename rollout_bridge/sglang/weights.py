@@ -193,7 +193,8 @@ class SGLangWeightSync:
 
         def run_servers():
             try:
-                answered["value"] = self.http.checked_all("init_weights_update_group", bodies=bodies)
+                answered["value"] = self.http.checked_all("init_weights_update_group",
+                                                          bodies=bodies)
             except BaseException as exc:  # noqa: BLE001 - reported below
                 answered["error"] = exc
             servers_done.set()

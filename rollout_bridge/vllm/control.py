@@ -107,9 +107,9 @@ class VLLMControl:
                     "/update_weight_version)")
             self.dev_routes_guarded = status == 401
             if not self.dev_routes_guarded:
-                msg = (f"{self.http.base_url}: vLLM dev routes (/collective_rpc, /pause, ...) answer "
-                       "without the API key (vLLM's --api-key guards only /v1, /v2, /inference, "
-                       "/cohere); load rollout_bridge/vllm/worker_ext.py's "
+                msg = (f"{self.http.base_url}: vLLM dev routes (/collective_rpc, /pause, ...) "
+                       "answer without the API key (vLLM's --api-key guards only /v1, /v2, "
+                       "/inference, /cohere); load rollout_bridge/vllm/worker_ext.py's "
                        "BearerAuthEverywhereMiddleware (--middleware)")
                 if not (is_loopback_url(self.http.base_url) or self.allow_insecure_dev_routes):
                     raise EngineMismatchError(msg + ", or pass allow_insecure_dev_routes=True "

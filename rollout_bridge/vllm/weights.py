@@ -192,7 +192,8 @@ class VLLMWeightSync:
         """GPU clusters: `POST /init_weight_transfer_engine` (server started with
         `--weight-transfer-config '{"backend": "nccl"}'`; e.g. NCCLTrainerInitInfo fields
         master_address, master_port, world_size, ...). Not available on CPU."""
-        return self.http.control("POST", "/init_weight_transfer_engine", body={"init_info": init_info})
+        return self.http.control("POST", "/init_weight_transfer_engine",
+                                 body={"init_info": init_info})
 
     def update_weights_via_transfer(self, names: list[str], dtype_names: list[str],
                                     shapes: list[list[int]], version: str, *,

@@ -5,7 +5,7 @@
    restart (connection errors, then a weight version it did not push), re-pushes the cached
    last weights (digest-checked), re-draws the lost samples with their own seeds, and the run
    completes with every sample of every iteration; a push that hit the dead server is repeated.
-2. Killed for good with `vllm_restart_wait_s=0`: the run stops within seconds with an error
+2. Killed for good with `rollout.vllm.restart_wait_s=0`: the run stops within seconds with an error
    naming what failed (samples, or the push), never training on a partial batch.
 
 This module kills the session's server: it runs last (file order), and `ensure_up` restarts it
