@@ -49,7 +49,7 @@ demo-vllm: $(STAMP) vllm-venv
 		env OMP_NUM_THREADS=$(or $(THREADS),1) $(VENV)/bin/torchrun --nproc-per-node $(NPROC) \
 		--master-port $${MASTER_PORT:-29518} -m megatron_pdm.train \
 		--config examples/tiny_cpu/config.yaml --set rollout.engine=vllm \
-		--set "rollout.vllm_url={vllm_url}" --set output_dir=runs/tiny_cpu_vllm \
+		--set "rollout.vllm.url={vllm_url}" --set output_dir=runs/tiny_cpu_vllm \
 		$(if $(SEED),--set seed=$(SEED)) $(ARGS)
 
 bench: $(STAMP)

@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from rollout_bridge import parse_generate_response, parse_scoring_response  # noqa: E402
-from rollout_bridge.decode import gc_paused  # noqa: E402
+from rollout_bridge.core.decode import gc_paused  # noqa: E402
 
 
 def make_bodies(t: int, k: int, vocab: int = 151936, prompt_len: int = 512, seed: int = 0):

@@ -52,7 +52,7 @@ def run_once(url: str, key_env: str, out: Path, overlap: bool, iterations: int,
              extra: list[str]) -> dict:
     torchrun = Path(sys.executable).parent / "torchrun"
     sets = MODEL + [
-        "rollout.engine=vllm", f"rollout.vllm_url={url}", f"rollout.vllm_api_key_env={key_env}",
+        "rollout.engine=vllm", f"rollout.vllm.url={url}", f"rollout.vllm.api_key_env={key_env}",
         f"rollout.overlap={str(overlap).lower()}", f"train.iterations={iterations}",
         "warmup.steps=0", "task.partial_credit=true", "checkpoint.save_interval=0",
         "train.eval_prompts=16", "log.plot=false", "log.tensorboard=false",

@@ -2,7 +2,7 @@
 
 What is timed, per tensor set, on this machine (every process on 127.0.0.1, gloo):
 
-* push: `DistributedWeightSender.push` (rollout_bridge/sglang_weights.py), the driver's path,
+* push: `DistributedWeightSender.push` (rollout_bridge/sglang/broadcast.py), the driver's path,
   into `--servers` fake SGLang server processes (tests/bridge/fake_sglang.py, receivers following
   SGLang's protocol, `--discard-weights`: received, not loaded): pause -> begin -> per bucket an
   HTTP /update_weights_from_distributed to every server + the broadcast -> end -> continue ->
@@ -21,7 +21,7 @@ What is timed, per tensor set, on this machine (every process on 127.0.0.1, gloo
 Tensor sets: the tiny CPU model's HF state dict (examples/tiny_cpu/config.yaml, fp32), and
 `--layers` decoder layers of Qwen3-30B-A3B as synthetic bf16 tensors of the real shapes (hidden
 2048, 32 q / 4 kv heads of 128, 128 experts of width 768, vocab 151936) with the real default
-bucket size (rollout.weight_sync_bucket_mb = 512). The per-byte time of the 30B layers is
+bucket size (rollout.weight_sync.bucket_mb = 512). The per-byte time of the 30B layers is
 extrapolated to the whole model (48 layers + embeddings + head, computed from the same shapes),
 and the per-iteration sync is projected at `--nccl-gbps` (an assumed NCCL broadcast bandwidth,
 stated in the output) times the measured push/bare ratio.
@@ -136,7 +136,7 @@ def bare_broadcast(sizes: list[int], receivers: int, reps: int, fresh: bool) -> 
     """Seconds per rep of broadcasting buffers of `sizes` bytes from here (rank 0)."""
     import torch.distributed as dist
 
-    from rollout_bridge.sglang_weights import join_weight_update_group
+    from rollout_bridge.sglang.broadcast import join_weight_update_group
 
     port, world = _port(), receivers + 1
     ctx = mp.get_context("spawn")
@@ -166,7 +166,7 @@ def push_times(named, servers, reps: int, load_format: str | None = "flattened_b
                ) -> tuple[list[float], list[int]]:
     """Seconds per rep of `DistributedWeightSender.push` into the fake servers."""
     from rollout_bridge import SGLangEngine
-    from rollout_bridge.sglang_weights import DistributedWeightSender, buckets
+    from rollout_bridge.sglang.broadcast import DistributedWeightSender, buckets
 
     client = SGLangEngine([s.url for s in servers], top_logprobs=1, timeout_s=600)
     sender = DistributedWeightSender(client, master_address="127.0.0.1", master_port=_port(),
@@ -192,7 +192,7 @@ def disk_times(named, workdir: Path, reps: int) -> tuple[list[float], list[float
     """(write seconds, read seconds) per rep: safetensors, one file per bucket, cold read."""
     from safetensors.torch import load_file, save_file
 
-    from rollout_bridge.sglang_weights import buckets
+    from rollout_bridge.sglang.broadcast import buckets
 
     writes, reads = [], []
     for r in range(reps):

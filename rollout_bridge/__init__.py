@@ -9,7 +9,7 @@ Public API (docs/rollouts.md)::
     batch = engine.generate(prompt_ids, {"temperature": 1.0, "max_new_tokens": 256}, n=8)
     packed = pack_thd(batch, advantages=group_advantages(batch))
 
-Names resolve lazily (PEP 562), so `import rollout_bridge.types` does not load the HTTP client.
+Names resolve lazily (PEP 562), so `import rollout_bridge.core.types` does not load the HTTP client.
 The bridge depends on `megatron_pdm.ops.support` (the support contract) and nothing else of
 megatron_pdm; never on megatron (tests/unit/test_import_boundaries.py).
 """
@@ -19,33 +19,33 @@ from __future__ import annotations
 import importlib
 
 _EXPORTS = {
-    "RolloutEngine": "rollout_bridge.engine",
-    "check_sampling_params": "rollout_bridge.engine",
-    "LocalEngine": "rollout_bridge.local_engine",
-    "pack_padded": "rollout_bridge.packing",
-    "pack_thd": "rollout_bridge.packing",
-    "MalformedResponseError": "rollout_bridge.decode",
-    "parse_generate_response": "rollout_bridge.parse",
-    "parse_scoring_response": "rollout_bridge.parse_flat",
-    "SGLangEngine": "rollout_bridge.sglang_client",
-    "ApiKey": "rollout_bridge.sglang_http",
-    "read_api_key": "rollout_bridge.sglang_http",
-    "SGLangServerError": "rollout_bridge.sglang_http",
-    "DistributedWeightSender": "rollout_bridge.sglang_weights",
-    "VLLMEngine": "rollout_bridge.vllm_client",
-    "parse_completion_choice": "rollout_bridge.parse_vllm",
-    "EngineMismatchError": "rollout_bridge.types",
-    "PackedBatch": "rollout_bridge.types",
-    "RolloutBatch": "rollout_bridge.types",
-    "RolloutFailedError": "rollout_bridge.types",
-    "RolloutFailure": "rollout_bridge.types",
-    "RolloutSample": "rollout_bridge.types",
-    "RolloutValidationError": "rollout_bridge.types",
-    "SamplingParamsError": "rollout_bridge.types",
-    "StaleRolloutError": "rollout_bridge.types",
-    "WeightSyncError": "rollout_bridge.types",
-    "check_weight_version": "rollout_bridge.types",
-    "group_advantages": "rollout_bridge.types",
+    "RolloutEngine": "rollout_bridge.core.engine",
+    "check_sampling_params": "rollout_bridge.core.engine",
+    "LocalEngine": "rollout_bridge.local.engine",
+    "pack_padded": "rollout_bridge.core.packing",
+    "pack_thd": "rollout_bridge.core.packing",
+    "MalformedResponseError": "rollout_bridge.core.decode",
+    "parse_generate_response": "rollout_bridge.sglang.parse",
+    "parse_scoring_response": "rollout_bridge.sglang.parse_flat",
+    "SGLangEngine": "rollout_bridge.sglang.client",
+    "ApiKey": "rollout_bridge.core.apikey",
+    "read_api_key": "rollout_bridge.core.apikey",
+    "SGLangServerError": "rollout_bridge.sglang.http",
+    "DistributedWeightSender": "rollout_bridge.sglang.broadcast",
+    "VLLMEngine": "rollout_bridge.vllm.client",
+    "parse_completion_choice": "rollout_bridge.vllm.parse",
+    "EngineMismatchError": "rollout_bridge.core.types",
+    "PackedBatch": "rollout_bridge.core.types",
+    "RolloutBatch": "rollout_bridge.core.types",
+    "RolloutFailedError": "rollout_bridge.core.types",
+    "RolloutFailure": "rollout_bridge.core.types",
+    "RolloutSample": "rollout_bridge.core.types",
+    "RolloutValidationError": "rollout_bridge.core.types",
+    "SamplingParamsError": "rollout_bridge.core.types",
+    "StaleRolloutError": "rollout_bridge.core.types",
+    "WeightSyncError": "rollout_bridge.core.types",
+    "check_weight_version": "rollout_bridge.core.types",
+    "group_advantages": "rollout_bridge.core.types",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -53,8 +53,8 @@ from megatron_pdm.mcore import optimizer as mopt
 from megatron_pdm.train import rollout_store
 from megatron_pdm.train.config import RunConfig
 from megatron_pdm.train.schedule import optimizer_step
-from rollout_bridge.packing import pack_padded
-from rollout_bridge.types import RolloutBatch, group_advantages
+from rollout_bridge.core.packing import pack_padded
+from rollout_bridge.core.types import RolloutBatch, group_advantages
 
 __all__ = ["StudyArgs", "resolve_config", "run_study"]
 

@@ -16,7 +16,7 @@ What this adapter owns (and the core op does not):
   batch shape; when b == s it must be given). THD batches are `[1, total]`.
 - Sequence parallelism. The output layer all-gathers the sequence before the vocab projection,
   so the logits are always full-sequence and vocab-sharded: nothing to undo here.
-- The t-1 -> t shift. The row-aligned `PackedBatch` (rollout_bridge.packing) already put every
+- The t-1 -> t shift. The row-aligned `PackedBatch` (rollout_bridge.core.packing) already put every
   per-token field on the logits row that scores it: row p scores `labels[p] = tokens[p+1]`.
   No shifting happens here; only loss rows are selected (`loss_mask`).
 - Tensor parallelism. The TP group comes from megatron's parallel_state and is handed to

@@ -33,7 +33,8 @@ from megatron_pdm.configtree import (
 
 __all__ = [
     "CheckpointConfig", "LogConfig", "ParallelConfig", "PrecisionConfig", "RolloutConfig",
-    "RunConfig", "TaskConfig", "TrainConfig", "WarmupConfig",
+    "RunConfig", "SGLangRolloutConfig", "TaskConfig", "TrainConfig", "VLLMRolloutConfig",
+    "WarmupConfig", "WeightSyncConfig",
 ]
 
 
@@ -100,6 +101,95 @@ class TaskConfig:
 
 
 @dataclass(kw_only=True)
+class SGLangRolloutConfig:
+    """`rollout.sglang`: the SGLang servers (rollout.engine=sglang)."""
+
+    url: str | None = None
+    """SGLang server base URL."""
+    urls: list[str] | None = None
+    """Several SGLang servers instead of one `url` (rollouts are spread over them; every weight
+    sync reaches all). Servers, not an sglang-router: the router does not route the weight-sync
+    and pause endpoints (docs/engines.md, SGLang)."""
+    api_key_env: str = "PDM_SGLANG_API_KEY"
+    """Environment variable holding the servers' API key (SGLang --api-key), sent on every
+    request. The config holds only the variable's name, never the key."""
+    api_key_file: str | None = None
+    """File whose first line is the API key (wins over the variable)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, "rollout.sglang")
+        if self.url and self.urls:
+            raise ConfigError("rollout.sglang.url and rollout.sglang.urls are exclusive")
+
+
+@dataclass(kw_only=True)
+class WeightSyncConfig:
+    """`rollout.weight_sync`: how the trainer's weights reach the SGLang servers."""
+
+    mode: Literal["disk", "distributed"] = "disk"
+    """"disk" (HF safetensors under rollout.hf_checkpoint, update_weights_from_disk) or
+    "distributed" (the live model gathered on rank 0 and broadcast to every server over
+    NCCL/gloo with update_weights_from_distributed; no disk)."""
+    backend: Literal["nccl", "gloo"] = "nccl"
+    """mode=distributed: broadcast backend (gloo: CPU servers and tests)."""
+    master_addr: str = "127.0.0.1"
+    """mode=distributed: address of trainer rank 0 that every server can reach."""
+    master_port: int = 0
+    """mode=distributed: TCP port of the group's rendezvous on that address (0: free)."""
+    bucket_mb: int = 512
+    """mode=distributed: bucket size (one request and one broadcast per bucket)."""
+    load_format: Literal["flattened_bucket", "per_tensor"] = "flattened_bucket"
+    """mode=distributed: one broadcast per bucket or one per tensor."""
+    digest: bool = False
+    """mode=distributed: hash every pushed tensor on rank 0 and log the digest (costs a sha256
+    pass over the model; for tests and audits)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, "rollout.weight_sync")
+        _positive("rollout.weight_sync", self, "bucket_mb")
+        _positive("rollout.weight_sync", self, "master_port", allow_zero=True)
+
+
+@dataclass(kw_only=True)
+class VLLMRolloutConfig:
+    """`rollout.vllm`: the vLLM server (rollout.engine=vllm)."""
+
+    url: str | None = None
+    """Base URL of vLLM's OpenAI-compatible server (weights are pushed in memory, no shared
+    disk; `python -m megatron_pdm.train.vllm_server` starts one for a config)."""
+    api_key_env: str = "PDM_VLLM_API_KEY"
+    """Environment variable holding the server's API key (sent on every request; never put the
+    key itself in a config)."""
+    allow_insecure_dev_routes: bool = False
+    """Accept a non-loopback server whose dev routes (/collective_rpc runs worker methods)
+    answer without the API key. Refused by default (docs/engines.md, vLLM)."""
+    restart_wait_s: float = 0.0
+    """After a connection failure, wait up to this long for the server to come back (a
+    supervisor restarting it); a restarted server gets the last weights again and the lost
+    samples are re-drawn. 0: no waiting, the run fails with an error naming the samples."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, "rollout.vllm")
+        _positive("rollout.vllm", self, "restart_wait_s", allow_zero=True)
+
+
+# Flat `rollout.*` keys of earlier releases -> their place in the nested sections.
+ROLLOUT_MOVED_KEYS = {
+    "sglang_url": "sglang.url", "sglang_urls": "sglang.urls",
+    "sglang_api_key_env": "sglang.api_key_env", "sglang_api_key_file": "sglang.api_key_file",
+    "weight_sync_backend": "weight_sync.backend",
+    "weight_sync_master_addr": "weight_sync.master_addr",
+    "weight_sync_master_port": "weight_sync.master_port",
+    "weight_sync_bucket_mb": "weight_sync.bucket_mb",
+    "weight_sync_load_format": "weight_sync.load_format",
+    "weight_sync_digest": "weight_sync.digest",
+    "vllm_url": "vllm.url", "vllm_api_key_env": "vllm.api_key_env",
+    "vllm_allow_insecure_dev_routes": "vllm.allow_insecure_dev_routes",
+    "vllm_restart_wait_s": "vllm.restart_wait_s",
+}
+
+
+@dataclass(kw_only=True)
 class RolloutConfig:
     prompts_per_iteration: int = 16
     """Distinct prompts per rollout batch (GRPO groups)."""
@@ -123,36 +213,14 @@ class RolloutConfig:
     engine: Literal["local", "sglang", "vllm"] = "local"
     """"local": LocalEngine over a megatron copy on every rank (CPU demo); "sglang" / "vllm":
     rank 0 requests rollouts from SGLang servers / a vLLM server and broadcasts them."""
-    sglang_url: str | None = None
-    """SGLang server base URL (engine=sglang)."""
-    sglang_urls: list[str] | None = None
-    """engine=sglang: several SGLang servers instead of one `sglang_url` (rollouts are spread
-    over them; every weight sync reaches all). Servers, not an sglang-router: the router does
-    not route the weight-sync and pause endpoints (docs/engines.md, SGLang)."""
-    sglang_api_key_env: str = "PDM_SGLANG_API_KEY"
-    """engine=sglang: environment variable holding the servers' API key (SGLang --api-key),
-    sent on every request. The config holds only the variable's name, never the key."""
-    sglang_api_key_file: str | None = None
-    """engine=sglang: file whose first line is the API key (wins over the variable)."""
-    weight_sync: Literal["disk", "distributed"] = "disk"
-    """engine=sglang: "disk" (HF safetensors under hf_checkpoint, update_weights_from_disk) or
-    "distributed" (the live model gathered on rank 0 and broadcast to every server over
-    NCCL/gloo with update_weights_from_distributed; no disk)."""
-    weight_sync_backend: Literal["nccl", "gloo"] = "nccl"
-    """weight_sync=distributed: broadcast backend (gloo: CPU servers and tests)."""
-    weight_sync_master_addr: str = "127.0.0.1"
-    """weight_sync=distributed: address of trainer rank 0 that every server can reach."""
-    weight_sync_master_port: int = 0
-    """weight_sync=distributed: TCP port of the group's rendezvous on that address (0: free)."""
-    weight_sync_bucket_mb: int = 512
-    """weight_sync=distributed: bucket size (one request and one broadcast per bucket)."""
-    weight_sync_load_format: Literal["flattened_bucket", "per_tensor"] = "flattened_bucket"
-    """weight_sync=distributed: one broadcast per bucket or one per tensor."""
-    weight_sync_digest: bool = False
-    """weight_sync=distributed: hash every pushed tensor on rank 0 and log the digest (costs a
-    sha256 pass over the model; for tests and audits)."""
+    sglang: SGLangRolloutConfig = field(default_factory=SGLangRolloutConfig)
+    """engine=sglang: the servers and their API key (`rollout.sglang.*`)."""
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    """engine=sglang: disk or broadcast weight sync (`rollout.weight_sync.*`)."""
+    vllm: VLLMRolloutConfig = field(default_factory=VLLMRolloutConfig)
+    """engine=vllm: the server and its API key (`rollout.vllm.*`)."""
     hf_checkpoint: str | None = None
-    """engine=sglang, weight_sync=disk: directory visible to the SGLang servers; the trainer
+    """engine=sglang, weight_sync.mode=disk: directory visible to the SGLang servers; the trainer
     writes the current weights as HF safetensors to `<hf_checkpoint>/v<version>` at every
     weight sync."""
     max_sequence_length: int | None = None
@@ -175,19 +243,19 @@ class RolloutConfig:
     off-policy, as slime's async mode / verl's one-step-off-policy). Each batch records the
     weight version it was generated with; `rollout/staleness` (trainer version minus that) is
     1 from the second iteration on, and the loss's mu is that older policy's log-probs."""
-    vllm_url: str | None = None
-    """engine=vllm: base URL of vLLM's OpenAI-compatible server (weights are pushed in memory,
-    no shared disk; `python -m megatron_pdm.train.vllm_server` starts one for a config)."""
-    vllm_api_key_env: str = "PDM_VLLM_API_KEY"
-    """engine=vllm: environment variable holding the server's API key (sent on every request;
-    never put the key itself in a config)."""
-    vllm_allow_insecure_dev_routes: bool = False
-    """engine=vllm: accept a non-loopback server whose dev routes (/collective_rpc runs worker
-    methods) answer without the API key. Refused by default (docs/engines.md, vLLM)."""
-    vllm_restart_wait_s: float = 0.0
-    """engine=vllm: after a connection failure, wait up to this long for the server to come back
-    (a supervisor restarting it); a restarted server gets the last weights again and the lost
-    samples are re-drawn. 0: no waiting, the run fails with an error naming the samples."""
+    @classmethod
+    def _from_mapping(cls, data: dict, path: str) -> dict:
+        """Refuses the flat engine keys of earlier releases, naming their new place."""
+        prefix = f"{path}." if path else ""
+        moved = [k for k in ROLLOUT_MOVED_KEYS if k in data]
+        if isinstance(data.get("weight_sync"), str):
+            raise ConfigError(f"{prefix}weight_sync={data['weight_sync']!r}: the weight sync is "
+                              f"a section now; use {prefix}weight_sync.mode="
+                              f"{data['weight_sync']}")
+        if moved:
+            raise ConfigError("; ".join(f"{prefix}{k} moved to {prefix}{ROLLOUT_MOVED_KEYS[k]}"
+                                        for k in moved))
+        return data
 
     def __post_init__(self) -> None:
         check_fields(self, "rollout")
@@ -197,23 +265,18 @@ class RolloutConfig:
         _positive("rollout", self, "top_logprobs", "max_retries",
                   allow_zero=True)
         if self.engine == "sglang":
-            missing = [] if (self.sglang_url or self.sglang_urls) else ["sglang_url"]
-            if self.weight_sync == "disk" and not self.hf_checkpoint:
+            missing = [] if (self.sglang.url or self.sglang.urls) else ["sglang.url"]
+            if self.weight_sync.mode == "disk" and not self.hf_checkpoint:
                 missing.append("hf_checkpoint")
             if missing:
                 raise ConfigError("rollout.engine=sglang needs " +
                                   " and ".join(f"rollout.{k}" for k in missing) +
-                                  (" (or rollout.sglang_urls)" if "sglang_url" in missing
+                                  (" (or rollout.sglang.urls)" if "sglang.url" in missing
                                    else "") +
-                                  (" (or rollout.weight_sync=distributed)"
+                                  (" (or rollout.weight_sync.mode=distributed)"
                                    if "hf_checkpoint" in missing else ""))
-            if self.sglang_url and self.sglang_urls:
-                raise ConfigError("rollout.sglang_url and rollout.sglang_urls are exclusive")
-        _positive("rollout", self, "weight_sync_bucket_mb")
-        _positive("rollout", self, "weight_sync_master_port", allow_zero=True)
-        if self.engine == "vllm" and not self.vllm_url:
-            raise ConfigError("rollout.engine=vllm needs rollout.vllm_url")
-        _positive("rollout", self, "vllm_restart_wait_s", allow_zero=True)
+        if self.engine == "vllm" and not self.vllm.url:
+            raise ConfigError("rollout.engine=vllm needs rollout.vllm.url")
         if self.overlap and self.engine == "local":
             raise ConfigError("rollout.overlap=true needs a server engine (rollout.engine=sglang "
                               "or vllm): the local engine runs in the trainer's own processes on "

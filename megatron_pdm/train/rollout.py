@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from rollout_bridge.local_engine import LocalEngine
-from rollout_bridge.types import RolloutBatch
+from rollout_bridge.local.engine import LocalEngine
+from rollout_bridge.core.types import RolloutBatch
 
 
 class GatheredGPT(torch.nn.Module):

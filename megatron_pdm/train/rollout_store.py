@@ -31,7 +31,7 @@ import re
 import torch
 import torch.distributed as dist
 
-from rollout_bridge.types import RolloutBatch, RolloutSample
+from rollout_bridge.core.types import RolloutBatch, RolloutSample
 
 __all__ = ["FORMAT", "list_rollouts", "load_rollout", "rollout_dir", "save_rollout"]
 

@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from rollout_bridge.types import RolloutBatch, check_weight_version
+from rollout_bridge.core.types import RolloutBatch, check_weight_version
 
 logger = logging.getLogger(__name__)
 

@@ -1,20 +1,20 @@
 """Rollouts from SGLang servers and the weight sync that keeps them on-policy (`engine: sglang`).
 
 Rollout: global rank 0 sends the iteration's prompts to `rollout_bridge.SGLangEngine`
-(`rollout.sglang_url`, or several servers in `rollout.sglang_urls`: prompts spread round-robin,
+(`rollout.sglang.url`, or several servers in `rollout.sglang.urls`: prompts spread round-robin,
 a retry goes to the next server; token ids in, top-K logprobs out); the rank-0 driving, the
 version check and the broadcast to every rank are `ServerRollout`'s (server_rollout.py). The API
-key (SGLang --api-key) comes from `rollout.sglang_api_key_file` or the environment variable named
-by `rollout.sglang_api_key_env`; only those names are in the config.
+key (SGLang --api-key) comes from `rollout.sglang.api_key_file` or the environment variable named
+by `rollout.sglang.api_key_env`; only those names are in the config.
 
 Weight sync (after each iteration's optimizer steps, once before the first rollout, after a
-resume), `rollout.weight_sync`:
+resume), `rollout.weight_sync.mode`:
 
 * "distributed" (no disk): `convert.live.iter_hf_groups` gathers the live, sharded model (any
   TP/EP/PP) as full HF tensors on rank 0, one layer group at a time, and
-  `rollout_bridge.sglang_weights.DistributedWeightSender` streams them to every server: one
+  `rollout_bridge.sglang.broadcast.DistributedWeightSender` streams them to every server: one
   weight-update group (trainer rank 0 + every server TP rank, created once with
-  /init_weights_update_group and rank offsets per server), buckets of `weight_sync_bucket_mb`
+  /init_weights_update_group and rank offsets per server), buckets of `weight_sync.bucket_mb`
   posted with /update_weights_from_distributed while rank 0 broadcasts them (NCCL on GPUs, gloo
   on CPUs), the next layer gathered while a bucket is on the wire, all inside one
   pause -> begin_weight_update ... end_weight_update -> continue session; the last bucket sets
@@ -29,7 +29,7 @@ resume), `rollout.weight_sync`:
 
 Push dtype: bf16 for rollout_precision bf16/fp8 (fp8 servers quantise on load), else the
 training dtype. Each push is recorded in `<output_dir>/weight_sync.jsonl` (rank 0: version,
-mode, seconds, buckets, bytes and, with `rollout.weight_sync_digest`, the sha256 state digest).
+mode, seconds, buckets, bytes and, with `rollout.weight_sync.digest`, the sha256 state digest).
 """
 
 from __future__ import annotations
@@ -76,29 +76,29 @@ class SGLangRollout(ServerRollout):
 
     def _make_client(self):
         from rollout_bridge import SGLangEngine
-        from rollout_bridge.sglang_http import read_api_key
+        from rollout_bridge.core.apikey import read_api_key
 
         r = self.cfg.rollout
-        key = read_api_key(r.sglang_api_key_env, r.sglang_api_key_file)
+        key = read_api_key(r.sglang.api_key_env, r.sglang.api_key_file)
         if key is None:
-            logger.warning("no SGLang API key (rollout.sglang_api_key_env=%s is unset): anyone "
+            logger.warning("no SGLang API key (rollout.sglang.api_key_env=%s is unset): anyone "
                            "who reaches the servers can replace the policy",
-                           r.sglang_api_key_env)
+                           r.sglang.api_key_env)
         if self.root is not None:
             os.makedirs(self.root, exist_ok=True)
         client = SGLangEngine(
-            r.sglang_urls or r.sglang_url, top_logprobs=r.top_logprobs, api_key=key,
+            r.sglang.urls or r.sglang.url, top_logprobs=r.top_logprobs, api_key=key,
             timeout_s=r.timeout_s, max_retries=r.max_retries, seed=self.cfg.seed,
             vocab_size=self.arch.vocab_size, raise_on_failure=True,
             topk_transport=r.topk_transport)
-        if r.weight_sync == "distributed":
-            from rollout_bridge.sglang_weights import DistributedWeightSender
+        if r.weight_sync.mode == "distributed":
+            from rollout_bridge.sglang.broadcast import DistributedWeightSender
 
-            port = r.weight_sync_master_port or _free_port(r.weight_sync_master_addr)
+            port = r.weight_sync.master_port or _free_port(r.weight_sync.master_addr)
             self.sender = DistributedWeightSender(
-                client, master_address=r.weight_sync_master_addr, master_port=port,
-                backend=r.weight_sync_backend, bucket_bytes=r.weight_sync_bucket_mb << 20,
-                load_format=(None if r.weight_sync_load_format == "per_tensor"
+                client, master_address=r.weight_sync.master_addr, master_port=port,
+                backend=r.weight_sync.backend, bucket_bytes=r.weight_sync.bucket_mb << 20,
+                load_format=(None if r.weight_sync.load_format == "per_tensor"
                              else "flattened_bucket"), timeout_s=r.timeout_s)
         return client
 
@@ -107,11 +107,11 @@ class SGLangRollout(ServerRollout):
     def _push(self, version: str) -> None:
         """Collective: push the current weights to every server as `version`."""
         t0 = time.time()
-        if self.cfg.rollout.weight_sync == "distributed":
+        if self.cfg.rollout.weight_sync.mode == "distributed":
             stats = self._push_distributed(version)
         else:
             stats = self._push_disk(version)
-        stats = dict(stats or {}, version=str(version), mode=self.cfg.rollout.weight_sync,
+        stats = dict(stats or {}, version=str(version), mode=self.cfg.rollout.weight_sync.mode,
                      seconds=time.time() - t0)
         self.last_push = stats
         if dist.get_rank() == 0:
@@ -123,14 +123,14 @@ class SGLangRollout(ServerRollout):
         from megatron_pdm.convert.live import iter_hf_groups
 
         r = self.cfg.rollout
-        device = "cpu" if r.weight_sync_backend == "gloo" else None
+        device = "cpu" if r.weight_sync.backend == "gloo" else None
         groups = iter_hf_groups(self._module(), self.arch, dst=0, dtype=self.push_dtype,
                                 expert_layout="per_expert", device=device)
         box = [None]
         if dist.get_rank() == 0:
-            digests: list[str] | None = [] if r.weight_sync_digest else None
+            digests: list[str] | None = [] if r.weight_sync.digest else None
 
-            from rollout_bridge.weights import combine_digests, tensor_digest
+            from rollout_bridge.core.weights import combine_digests, tensor_digest
 
             def named():
                 for _, group in groups:

@@ -62,8 +62,8 @@ from megatron_pdm.train.logging_utils import (
 )
 from megatron_pdm.train.schedule import optimizer_step, reduce_step_metrics, rl_lr
 from megatron_pdm.train.task import build_task
-from rollout_bridge.packing import pack_padded
-from rollout_bridge.types import group_advantages
+from rollout_bridge.core.packing import pack_padded
+from rollout_bridge.core.types import group_advantages
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Rollouts from a vLLM server and the in-memory weight sync that keeps it on-policy (`engine: vllm`).
 
-Rollout: global rank 0 sends the iteration's prompts to `rollout_bridge.vllm_client.VLLMEngine`
-(`rollout.vllm_url`; token ids in, top-K log-probs with ids out, one seed per sample); the rank-0
+Rollout: global rank 0 sends the iteration's prompts to `rollout_bridge.vllm.client.VLLMEngine`
+(`rollout.vllm.url`; token ids in, top-K log-probs with ids out, one seed per sample); the rank-0
 driving, the background generation of `rollout.overlap`, the version check and the broadcast to
 every rank are `ServerRollout`'s (server_rollout.py).
 
@@ -11,7 +11,7 @@ optimizer steps, after a resume):
    TP/EP/PP) as full HF-named tensors on global rank 0, one layer group at a time (vocabulary
    padding stripped) - no checkpoint, no disk;
 2. rank 0 serialises them as one safetensors blob and `VLLMEngine.update_weights` sends it,
-   base64, through `/collective_rpc` to the worker extension (rollout_bridge/vllm_worker_ext.py),
+   base64, through `/collective_rpc` to the worker extension (rollout_bridge/vllm/worker_ext.py),
    which reloads the weights in place and re-runs the CPU MoE expert prepack that vLLM 0.32.0
    skips on reload; the worker's digest of what it loaded must equal the trainer's
    (`canonical_digest`), then the version is set and read back.
@@ -52,24 +52,25 @@ class VLLMRollout(ServerRollout):
         super().__init__(cfg, arch, trainer_module_fn)
 
     def _make_client(self):
-        from rollout_bridge.vllm_client import VLLMEngine
+        from rollout_bridge.core.apikey import read_api_key
+        from rollout_bridge.vllm.client import VLLMEngine
 
         r = self.cfg.rollout
-        key = os.environ.get(r.vllm_api_key_env)
-        if not key:
-            logger.warning("rollout.vllm_api_key_env=%s is not set: requests carry no API key",
-                           r.vllm_api_key_env)
+        key = read_api_key(r.vllm.api_key_env)
+        if key is None:
+            logger.warning("rollout.vllm.api_key_env=%s is not set: requests carry no API key",
+                           r.vllm.api_key_env)
         return VLLMEngine(
-            r.vllm_url, top_logprobs=r.top_logprobs, api_key=key, timeout_s=r.timeout_s,
+            r.vllm.url, top_logprobs=r.top_logprobs, api_key=key, timeout_s=r.timeout_s,
             max_retries=r.max_retries, seed=self.cfg.seed, vocab_size=self.arch.vocab_size,
-            raise_on_failure=True, recover_timeout_s=r.vllm_restart_wait_s,
-            allow_insecure_dev_routes=r.vllm_allow_insecure_dev_routes)
+            raise_on_failure=True, recover_timeout_s=r.vllm.restart_wait_s,
+            allow_insecure_dev_routes=r.vllm.allow_insecure_dev_routes)
 
     def _check_server(self) -> dict:
         info = self.client.check_server()
         facts = info["facts"][0]
         logger.info("vLLM server %s: model %s, vLLM %s, dtype %s, vocab %s, weight version %s, "
-                    "dev routes %s", self.cfg.rollout.vllm_url, info["model"],
+                    "dev routes %s", self.cfg.rollout.vllm.url, info["model"],
                     facts.get("vllm_version"), facts.get("dtype"), facts.get("vocab_size"),
                     info["weight_version"],
                     "guarded by the API key" if info["dev_routes_guarded"] else "OPEN")

@@ -140,7 +140,8 @@ class VLLMServer:
         model_dir: HF directory to serve.
         workdir: Log file and the copy of the worker extension go here.
         host, port: Bind address (port None: a free one).
-        api_key: The key (None: a random one). Passed as `VLLM_API_KEY` in the environment.
+        api_key: The key, an `ApiKey` or a string (None: a random one). Passed as `VLLM_API_KEY`
+            in the server's environment; held as an `ApiKey`, so it never prints.
         dtype: vLLM `--dtype` ("float32" on CPU for exactness).
         max_model_len: Context length (default: the config's max_position_embeddings).
         served_model_name: The OpenAI model name.
@@ -150,7 +151,7 @@ class VLLMServer:
     """
 
     def __init__(self, model_dir: str | os.PathLike, workdir: str | os.PathLike, *,
-                 host: str = "127.0.0.1", port: int | None = None, api_key: str | None = None,
+                 host: str = "127.0.0.1", port: int | None = None, api_key=None,
                  dtype: str = "float32", max_model_len: int | None = None,
                  served_model_name: str = "pdm-policy", extra_args: list[str] | None = None,
                  venv: str | os.PathLike | None = None, seed: int = 0):
@@ -160,7 +161,9 @@ class VLLMServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.host = host
         self.port = port or free_port(host)
-        self.api_key = api_key or secrets.token_hex(16)
+        from rollout_bridge.core.apikey import ApiKey
+
+        self.api_key = ApiKey.of(api_key) or ApiKey(secrets.token_hex(16))
         self.dtype = dtype
         if max_model_len is None:
             cfg = json.loads((self.model_dir / "config.json").read_text())
@@ -197,12 +200,14 @@ class VLLMServer:
         ext_dir = self.workdir / "ext"
         ext_dir.mkdir(exist_ok=True)
         # A copy as a top-level module: putting rollout_bridge/ on the path would shadow the
-        # standard library's `types` (rollout_bridge/vllm_worker_ext.py docstring).
-        shutil.copy(ROOT / "rollout_bridge" / "vllm_worker_ext.py", ext_dir / f"{EXT_MODULE}.py")
+        # standard library's `types` (rollout_bridge/vllm/worker_ext.py docstring).
+        shutil.copy(ROOT / "rollout_bridge" / "vllm" / "worker_ext.py",
+                    ext_dir / f"{EXT_MODULE}.py")
         env = {k: v for k, v in os.environ.items()
                if k not in ("PYTHONPATH", "VLLM_API_KEY", "RANK", "WORLD_SIZE", "LOCAL_RANK",
                             "MASTER_ADDR", "MASTER_PORT")}
-        env.update(VLLM_SERVER_DEV_MODE="1", VLLM_API_KEY=self.api_key, PYTHONPATH=str(ext_dir),
+        env.update(VLLM_SERVER_DEV_MODE="1", VLLM_API_KEY=self.api_key.reveal(),
+                   PYTHONPATH=str(ext_dir),
                    VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "INFO"),
                    PYTHONUNBUFFERED="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
                    HF_HUB_OFFLINE="1")
@@ -327,7 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     arch = run_arch(cfg)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="pdm_vllm_"))
     model_dir = prepare_model_dir(arch, workdir / "model", seed=cfg.seed)
-    key = os.environ.get(args.key_env) or secrets.token_hex(16)
+    from rollout_bridge.core.apikey import ApiKey, read_api_key
+
+    key = read_api_key(args.key_env) or ApiKey(secrets.token_hex(16))
     server = VLLMServer(model_dir, workdir, host=args.host, port=args.port, api_key=key,
                         dtype=args.dtype, max_model_len=arch.max_position_embeddings,
                         seed=cfg.seed)
@@ -341,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(1.0)
             print(f"vllm_server: server exited ({server.proc.returncode})", file=sys.stderr)
             return 1
-        env = dict(os.environ, PDM_VLLM_URL=server.url, **{args.key_env: key})
+        env = dict(os.environ, PDM_VLLM_URL=server.url, **{args.key_env: key.reveal()})
         return subprocess.call([c.replace("{vllm_url}", server.url) for c in cmd], env=env)
     except KeyboardInterrupt:
         return 130

@@ -10,8 +10,8 @@ import torch
 
 from megatron_pdm.train import rollout_store
 from megatron_pdm.train.config import RunConfig
-from rollout_bridge.packing import pack_padded
-from rollout_bridge.types import RolloutBatch, RolloutSample, group_advantages
+from rollout_bridge.core.packing import pack_padded
+from rollout_bridge.core.types import RolloutBatch, RolloutSample, group_advantages
 
 V, K = 11, 3
 

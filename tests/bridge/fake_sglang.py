@@ -1,7 +1,7 @@
 """A real HTTP server that answers like SGLang's, backed by `LocalEngine`, for tests.
 
 What: aiohttp app on 127.0.0.1 (free port) in a background thread, serving exactly the routes
-our client uses (`rollout_bridge.sglang_http.ROUTES`, each checked to exist in the installed
+our client uses (`rollout_bridge.sglang.http.ROUTES`, each checked to exist in the installed
 sglang 0.5.22/0.5.23 by tests/sglang_api) plus `/get_model_info`; anything else is 404
 `{"detail": "Not Found"}` like SGLang's FastAPI app (so `/get_weight_version`, gone since
 0.5.21, is 404 here too). Nothing in it is written from memory:
@@ -50,8 +50,8 @@ import sglang_format as fmt
 import sglang_rules as rules
 
 from rollout_bridge import LocalEngine
-from rollout_bridge.sglang_http import ROUTES
-from rollout_bridge.weights import state_digest
+from rollout_bridge.sglang.http import ROUTES
+from rollout_bridge.core.weights import state_digest
 
 _RID = re.compile(r"-p(\d+)-s(\d+)-a(\d+)")
 
@@ -241,7 +241,7 @@ class FakeSGLangServer:
         elif name == "update_weights_from_disk":
             try:
                 with self._lock:
-                    from rollout_bridge.weights import load_safetensors_dir
+                    from rollout_bridge.core.weights import load_safetensors_dir
 
                     state = load_safetensors_dir(body["model_path"])
                     self.engine.load_weights_from_disk(body["model_path"],

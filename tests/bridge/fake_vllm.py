@@ -32,7 +32,7 @@ import torch
 from aiohttp import web
 
 from rollout_bridge import LocalEngine
-from rollout_bridge.vllm_worker_ext import canonical_digest
+from rollout_bridge.vllm.worker_ext import canonical_digest
 
 
 @dataclasses.dataclass

@@ -17,11 +17,7 @@ import pytest
 
 
 def _module_with_gc_paused():
-    try:  # the decode helpers live in decode.py (older trees: parse.py)
-        from rollout_bridge import decode as mod
-        mod.gc_paused  # noqa: B018
-    except (ImportError, AttributeError):
-        from rollout_bridge import parse as mod
+    from rollout_bridge.core import decode as mod
     return mod
 
 

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollout_bridge import RolloutValidationError, parse_generate_response
-from rollout_bridge.parse import MalformedResponseError
+from rollout_bridge.sglang.parse import MalformedResponseError
 
 ASSET = os.path.join(os.path.dirname(__file__), "..", "assets", "sglang_generate_k3.json")
 

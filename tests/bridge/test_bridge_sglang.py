@@ -31,9 +31,9 @@ from rollout_bridge import (
     WeightSyncError,
     check_weight_version,
 )
-from rollout_bridge.parse_flat import scoring_rows
-from rollout_bridge.types import RolloutValidationError
-from rollout_bridge.weights import save_hf_safetensors
+from rollout_bridge.sglang.parse_flat import scoring_rows
+from rollout_bridge.core.types import RolloutValidationError
+from rollout_bridge.core.weights import save_hf_safetensors
 
 PARAMS = {"temperature": 1.0, "max_new_tokens": 6}
 
@@ -244,7 +244,7 @@ def test_tensor_update_runs_inside_a_session(server):
     assert client.weight_version() == "t1"
     # the session is closed again; a bare update is refused like SGLang refuses it
     with pytest.raises(Exception, match="between begin_weight_update"):
-        client._checked_all("update_weights_from_tensor",
+        client.http.checked_all("update_weights_from_tensor",
                             {"serialized_named_tensors": serialize([])})
     # an update that fails inside the session still ends it and resumes generation
     server.tensor_deserializer = lambda blobs: {"no_such_weight": torch.zeros(1)}

@@ -22,10 +22,10 @@ from rollout_bridge import (
     RolloutFailedError,
     RolloutValidationError,
     WeightSyncError,
-    vllm_http,
 )
-from rollout_bridge.parse_vllm import parse_completion_choice
-from rollout_bridge.vllm_client import VLLMEngine
+from rollout_bridge.vllm import control as vllm_control
+from rollout_bridge.vllm.parse import parse_completion_choice
+from rollout_bridge.vllm.client import VLLMEngine
 
 PARAMS = {"temperature": 1.0, "max_new_tokens": 6}
 KEY = "k3y"
@@ -218,7 +218,7 @@ def test_start_up_checks(vserver):
 
 
 def test_dev_mode_off_and_open_dev_routes(monkeypatch):
-    loopback = vllm_http.is_loopback_url
+    loopback = vllm_control.is_loopback_url
     assert loopback("http://127.0.0.1:8000") and loopback("http://localhost:8000")
     assert not loopback("http://10.0.0.5:8000")
     srv = FakeVLLMServer(_engine(), api_key=KEY, dev_mode=False)
@@ -234,7 +234,7 @@ def test_dev_mode_off_and_open_dev_routes(monkeypatch):
         # loopback: accepted with a warning
         assert _client(srv).check_server()["dev_routes_guarded"] is False
         # anywhere else: refused unless the user opts in
-        monkeypatch.setattr(vllm_http, "is_loopback_url", lambda url: False)
+        monkeypatch.setattr(vllm_control, "is_loopback_url", lambda url: False)
         with pytest.raises(EngineMismatchError, match="allow_insecure_dev_routes"):
             _client(srv).check_server()
         assert _client(srv, allow_insecure_dev_routes=True).check_server()

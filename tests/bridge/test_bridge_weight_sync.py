@@ -21,8 +21,8 @@ from conftest import VOCAB, TinyLM, prompts
 from fake_proc import FakeServerProcess
 
 from rollout_bridge import SGLangEngine, WeightSyncError
-from rollout_bridge.sglang_weights import DistributedWeightSender, buckets
-from rollout_bridge.weights import state_digest
+from rollout_bridge.sglang.broadcast import DistributedWeightSender, buckets
+from rollout_bridge.core.weights import state_digest
 
 pytestmark = pytest.mark.slow
 KEY_ENV = "PDM_TEST_SGLANG_KEY"

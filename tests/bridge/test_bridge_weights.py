@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from rollout_bridge.weights import (
+from rollout_bridge.core.weights import (
     FP8_E4M3_MAX,
     fake_quant_fp8,
     load_safetensors_dir,

@@ -40,7 +40,7 @@ def _run(work, checkpoints, extra=(), out=None):
     out = out or str(work / "run")
     try:
         launch(out, COMMON + [f"checkpoint.load_dir={mcore}", "checkpoint.arch_from_load_dir=true",
-                              f"rollout.sglang_url={server.url}",
+                              f"rollout.sglang.url={server.url}",
                               f"rollout.hf_checkpoint={work / 'sync'}"],
                extra=list(extra), timeout=420)
         calls = server.calls()

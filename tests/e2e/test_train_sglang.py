@@ -97,7 +97,7 @@ def _run(tmp_path, name, converted, layout):
         out = str(work / "run")
         launch(out, layout + [
             f"checkpoint.load_dir={mcore}", "checkpoint.arch_from_load_dir=true",
-            "rollout.engine=sglang", f"rollout.sglang_url={server.url}",
+            "rollout.engine=sglang", f"rollout.sglang.url={server.url}",
             f"rollout.hf_checkpoint={work / 'sync'}", "rollout.max_sequence_length=16",
             "rollout.rollout_precision=null", "rollout.sync_at_start=false",
             "rollout.temperature=1.0", "task.partial_credit=true", "warmup.steps=0",

@@ -1,4 +1,5 @@
-"""The driver with `rollout.weight_sync=distributed` (no disk) against two fake SGLang servers.
+"""The driver with `rollout.weight_sync.mode=distributed` (no disk) against two fake SGLang
+servers.
 
 Setup: an HF directory of the tiny run's architecture (random weights; the trainer pushes its own
 before the first rollout), served by two fake SGLang processes (tests/bridge/fake_sglang.py, HF
@@ -36,14 +37,14 @@ from fake_proc import FakeServerProcess, sglang_pythonpath
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 
-KEY_ENV = "PDM_SGLANG_API_KEY"  # rollout.sglang_api_key_env's default
+KEY_ENV = "PDM_SGLANG_API_KEY"  # rollout.sglang.api_key_env's default
 SGLANG_VERSION = "0.5.23"
 OVERRIDES = ["warmup.steps=0", "train.iterations=3", "train.eval_prompts=4",
              "checkpoint.save_interval=0", "rollout.max_sequence_length=16",
              "rollout.rollout_precision=null", "rollout.temperature=1.0",
-             "rollout.engine=sglang", "rollout.weight_sync=distributed",
-             "rollout.weight_sync_backend=gloo", "rollout.weight_sync_bucket_mb=1",
-             "rollout.weight_sync_digest=true", "rollout.timeout_s=600"]
+             "rollout.engine=sglang", "rollout.weight_sync.mode=distributed",
+             "rollout.weight_sync.backend=gloo", "rollout.weight_sync.bucket_mb=1",
+             "rollout.weight_sync.digest=true", "rollout.timeout_s=600"]
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +70,7 @@ def run(tmp_path_factory):
                 start_timeout_s=900))
         out = str(root / "run")
         urls = json.dumps([s.url for s in servers])
-        cmd, env = command(out, SHORT + OVERRIDES + [f"rollout.sglang_urls={urls}"])
+        cmd, env = command(out, SHORT + OVERRIDES + [f"rollout.sglang.urls={urls}"])
         env[KEY_ENV] = key
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False,
                               timeout=900)

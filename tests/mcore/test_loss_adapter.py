@@ -20,8 +20,8 @@ import torch
 
 import megatron_pdm as pdm
 from megatron_pdm.mcore.loss_adapter import policy_loss_func, to_bsv
-from rollout_bridge.packing import pack_padded
-from rollout_bridge.types import RolloutBatch, RolloutSample
+from rollout_bridge.core.packing import pack_padded
+from rollout_bridge.core.types import RolloutBatch, RolloutSample
 from tests._dist import run_gloo
 
 V, V_PADDED, K = 11, 16, 4
@@ -179,7 +179,7 @@ def _tp_parity_worker(rank, world, ckpt_dir, out_path):
     from megatron_pdm.train import rollout as ro
     from megatron_pdm.arch import Qwen3MoeArch
     from megatron_pdm.train.task import AdditionTask, Tokenizer
-    from rollout_bridge.types import group_advantages
+    from rollout_bridge.core.types import group_advantages
 
     tok = Tokenizer()
     task = AdditionTask(2, tok)

@@ -34,7 +34,7 @@ def _worker(rank, world, tp, ep):
     from megatron_pdm.mcore.parallel import destroy_parallel
     from megatron_pdm.train.config import RunConfig
     from megatron_pdm.train.trainer import Trainer
-    from rollout_bridge.packing import pack_padded
+    from rollout_bridge.core.packing import pack_padded
 
     cfg = RunConfig.load(TINY)
     cfg.parallel.tp, cfg.parallel.ep = tp, ep

@@ -13,7 +13,7 @@ BASE = {"temperature": 1.0, "max_new_tokens": 4}
 
 def client_bodies() -> dict[str, dict]:
     """Every /generate body shape our client sends (json, flat_b64, scoring; T 1 and 0)."""
-    from rollout_bridge.sglang_client import SGLangEngine
+    from rollout_bridge.sglang.client import SGLangEngine
 
     out = {}
     for transport in ("json", "flat_b64", "scoring_b64"):
@@ -31,7 +31,7 @@ def client_bodies() -> dict[str, dict]:
 
 def control_bodies() -> dict[str, tuple[str, dict]]:
     """(io_struct class name, body) for every control request our client builds."""
-    from rollout_bridge.sglang_client import SGLangEngine
+    from rollout_bridge.sglang.client import SGLangEngine
 
     eng = SGLangEngine("http://unused", 4)
     dist = eng.distributed_update_body(["a.weight", "b.weight"], ["bfloat16", "bfloat16"],

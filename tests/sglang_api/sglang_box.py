@@ -201,7 +201,7 @@ class CpuScheduler:
     def _end(self, req):
         out = self.mgr.end_weight_update(req)
         if out.success and self.model.loaded:
-            from rollout_bridge.weights import state_digest
+            from rollout_bridge.core.weights import state_digest
 
             self.log({"call": "served", "body": {
                 "version": self.tm.config_value("weight_version"),

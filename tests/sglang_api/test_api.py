@@ -13,9 +13,9 @@ import pytest
 import sglang_rules as rules
 from cases import PROMPT, SAMPLING_CASES, VALIDATION_CASES, client_bodies, control_bodies
 
-from rollout_bridge.sglang_client import SAMPLING_KEYS, check_sglang_sampling_params
-from rollout_bridge.sglang_http import ROUTES, SUPPORTED_SGLANG
-from rollout_bridge.types import SamplingParamsError
+from rollout_bridge.sglang.client import SAMPLING_KEYS, check_sglang_sampling_params
+from rollout_bridge.sglang.http import ROUTES, SUPPORTED_SGLANG
+from rollout_bridge.core.types import SamplingParamsError
 
 pytestmark = pytest.mark.sglang_api
 

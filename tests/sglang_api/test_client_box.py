@@ -19,8 +19,8 @@ import pytest
 from fake_proc import FakeServerProcess
 
 from rollout_bridge import EngineMismatchError, SGLangEngine
-from rollout_bridge.sglang_weights import DistributedWeightSender
-from rollout_bridge.weights import state_digest
+from rollout_bridge.sglang.broadcast import DistributedWeightSender
+from rollout_bridge.core.weights import state_digest
 
 pytestmark = pytest.mark.sglang_api
 VOCAB = 50

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import sglang_format as fmt
 
-from rollout_bridge.parse import parse_response_object
-from rollout_bridge.parse_flat import decode_flat_topk, scoring_rows
-from rollout_bridge.types import RolloutValidationError
+from rollout_bridge.sglang.parse import parse_response_object
+from rollout_bridge.sglang.parse_flat import decode_flat_topk, scoring_rows
+from rollout_bridge.core.types import RolloutValidationError
 
 pytestmark = pytest.mark.sglang_api
 

@@ -123,7 +123,7 @@ def test_enum_values_belong_to_their_section():
         RolloutConfig(engine="vlm")
     with pytest.raises(ConfigError, match=r"rollout.engine='vlm': expected one of"):
         RunConfig.load(str(TINY), ["rollout.engine=vlm"])
-    with pytest.raises(ConfigError, match="rollout.engine=sglang needs rollout.sglang_url"):
+    with pytest.raises(ConfigError, match="rollout.engine=sglang needs rollout.sglang.url"):
         RunConfig.load(str(TINY), ["rollout.engine=sglang", "rollout.hf_checkpoint=/x"])
 
 

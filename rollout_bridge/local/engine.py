@@ -40,10 +40,10 @@ from collections.abc import Callable, Iterable, Mapping
 import numpy as np
 import torch
 
-from rollout_bridge.engine import assemble_batch, check_sampling_params
-from rollout_bridge.decode import folded_support
-from rollout_bridge.types import RolloutBatch, RolloutSample
-from rollout_bridge.weights import apply_rollout_precision, load_safetensors_dir
+from rollout_bridge.core.engine import assemble_batch, check_sampling_params
+from rollout_bridge.core.decode import folded_support
+from rollout_bridge.core.types import RolloutBatch, RolloutSample
+from rollout_bridge.core.weights import apply_rollout_precision, load_safetensors_dir
 
 logger = logging.getLogger(__name__)
 

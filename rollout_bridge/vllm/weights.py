@@ -1,9 +1,10 @@
 """Weight sync into a running vLLM server, and recovery from its restarts (`VLLMEngine`'s base).
 
-What: `VLLMWeightSync` (on top of `VLLMControl`, rollout_bridge/vllm_http.py):
+What: `VLLMWeightSync`, the weight-sync part of the vLLM client (it holds the transport `VLLMHTTP`,
+rollout_bridge/vllm/http.py, and the control part `VLLMControl`, rollout_bridge/vllm/control.py):
 
 * Weight sync without disk (`update_weights`): the HF-named state dict is serialised as one
-  safetensors blob, base64'd and sent to the worker extension (rollout_bridge/vllm_worker_ext.py)
+  safetensors blob, base64'd and sent to the worker extension (rollout_bridge/vllm/worker_ext.py)
   through `POST /collective_rpc`, framed by `/pause?mode=wait` (in-flight requests drain, the
   prefix cache is cleared) and `/resume`; every worker's digest of what it loaded must equal the
   trainer's (`canonical_digest`), then `/update_weight_version` sets the version and
@@ -11,16 +12,12 @@ What: `VLLMWeightSync` (on top of `VLLMControl`, rollout_bridge/vllm_http.py):
   (`init_weight_transfer_engine` / `update_weights_via_transfer`, NCCL; not run on CPU).
 * Restarts are never silent: vLLM's completion responses do not say which weights produced them,
   and a restarted server serves its on-disk checkpoint under version "default". The generation
-  code (rollout_bridge/vllm_client.py) calls `_ensure_server` before every request of a call;
-  while the call's `_CallState` is suspect (before the first request, after any connection error
+  code (rollout_bridge/vllm/client.py) calls `ensure_server` before every request of a call;
+  while the call's `CallState` is suspect (before the first request, after any connection error
   / 5xx / timeout) it runs `_check_restart`: health (waiting up to `recover_timeout_s`), then the
   weight version against the expected one. A restarted server (version mismatch) gets the last
   pushed weights again from the cached blob (`repush_on_restart`, digest-verified); without a
   cached blob the call's remaining samples fail with a "restart" error.
-
-The attributes it reads (pause_mode, max_recoveries, recover_timeout_s, repush_on_restart,
-cache_push_max_bytes, _last_push, _known_version, _lock, num_repushes, last_push_info) are set
-by `VLLMEngine.__init__`.
 """
 
 from __future__ import annotations
@@ -28,18 +25,20 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from rollout_bridge.engine import AttemptError, run_sync
-from rollout_bridge.types import WeightSyncError
-from rollout_bridge.vllm_http import VLLMControl
+from rollout_bridge.core.engine import AttemptError, run_sync
+from rollout_bridge.core.types import WeightSyncError
+from rollout_bridge.vllm.control import VLLMControl
+from rollout_bridge.vllm.http import VLLMHTTP
 
 logger = logging.getLogger(__name__)
 
 
-class _CallState:
+class CallState:
     """Shared by the coroutines of one `generate` call (the restart guard)."""
 
     def __init__(self, expected: str | None):
@@ -51,8 +50,36 @@ class _CallState:
         self.checks = 0
 
 
-class VLLMWeightSync(VLLMControl):
-    """In-memory weight pushes, the GPU weight-transfer path and the restart guard."""
+class VLLMWeightSync:
+    """In-memory weight pushes, the GPU weight-transfer path and the restart guard.
+
+    Args:
+        http: The transport.
+        control: The control part (weight version; `known_version` is kept there).
+        pause_mode: `mode` of /pause around a weight push ("wait": in-flight requests finish).
+        recover_timeout_s: How long a restart check waits for the server to come back.
+        max_recoveries: Re-pushes after restarts allowed within one `generate` call.
+        repush_on_restart: Re-push the cached last weights to a restarted server.
+        cache_push_max_bytes: Largest blob kept for re-pushes.
+
+    Attributes:
+        num_repushes: Automatic re-pushes after server restarts (over the engine's lifetime).
+        last_push_info: Timings and worker answers of the last push.
+    """
+
+    def __init__(self, http: VLLMHTTP, control: VLLMControl, *, pause_mode: str = "wait",
+                 recover_timeout_s: float = 0.0, max_recoveries: int = 2,
+                 repush_on_restart: bool = True, cache_push_max_bytes: int = 2 << 30):
+        self.http, self.control = http, control
+        self.pause_mode = pause_mode
+        self.recover_timeout_s = float(recover_timeout_s)
+        self.max_recoveries = int(max_recoveries)
+        self.repush_on_restart = repush_on_restart
+        self.cache_push_max_bytes = int(cache_push_max_bytes)
+        self._last_push: tuple[str, str, str] | None = None  # (blob b64, digest, version)
+        self._lock = threading.Lock()
+        self.num_repushes = 0
+        self.last_push_info: dict = {}
 
     # ------------------------------------------------------------------ weight sync
 
@@ -61,7 +88,7 @@ class VLLMWeightSync(VLLMControl):
 
         Args:
             state_dict: {HF name: tensor}; a complete state dict (a subset must hold whole
-                vLLM layers, rollout_bridge/vllm_worker_ext.py), in the dtype to serve.
+                vLLM layers, rollout_bridge/vllm/worker_ext.py), in the dtype to serve.
             version: The new weight version.
 
         Returns:
@@ -73,7 +100,7 @@ class VLLMWeightSync(VLLMControl):
         """
         from safetensors.torch import save
 
-        from rollout_bridge.vllm_worker_ext import canonical_digest
+        from rollout_bridge.vllm.worker_ext import canonical_digest
 
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
         t0 = time.perf_counter()
@@ -83,7 +110,7 @@ class VLLMWeightSync(VLLMControl):
         t1 = time.perf_counter()
 
         async def run():
-            async with self._session() as s:
+            async with self.http.session() as s:
                 for attempt in range(self.max_recoveries + 1):
                     try:
                         return await self._apush(s, b64, digest, str(version))
@@ -107,7 +134,7 @@ class VLLMWeightSync(VLLMControl):
         deadline = time.monotonic() + self.recover_timeout_s
         while True:
             try:
-                await self._request(session, "GET", "/health", timeout=10)
+                await self.http.request(session, "GET", "/health", timeout=10)
                 return True
             except AttemptError:
                 if time.monotonic() >= deadline:
@@ -117,14 +144,14 @@ class VLLMWeightSync(VLLMControl):
     async def _apush(self, session, b64: str, digest: str, version: str) -> dict:
         t0 = time.perf_counter()
         try:
-            await self._request(session, "POST", "/pause",
+            await self.http.request(session, "POST", "/pause",
                                 params={"mode": self.pause_mode, "clear_cache": "true"})
         except AttemptError as exc:
             raise WeightSyncError(f"pause before the weight push failed: {exc}") from None
         error: str | None = None
         results: list = []
         try:
-            results = await self._rpc(session, "pdm_load_weights_b64", b64)
+            results = await self.http.rpc(session, "pdm_load_weights_b64", b64)
             for i, r in enumerate(results):
                 got = r.get("canonical_digest") if isinstance(r, dict) else None
                 if got != digest:
@@ -132,26 +159,26 @@ class VLLMWeightSync(VLLMControl):
                              f"{digest!r}")
                     break
             if error is None:
-                await self._request(session, "POST", "/update_weight_version",
+                await self.http.request(session, "POST", "/update_weight_version",
                                     body={"new_version": version})
         except AttemptError as exc:
             error = str(exc)
         finally:
             try:
-                await self._request(session, "POST", "/resume")
+                await self.http.request(session, "POST", "/resume")
             except AttemptError as exc:
                 error = error or f"resume after the weight push failed: {exc}"
         if error is None:
             try:
-                got = await self._aweight_version(session)
+                got = await self.control.aweight_version(session)
             except AttemptError as exc:
                 got, error = None, f"weight version check failed: {exc}"
             if error is None and got != version:
                 error = f"server reports weight version {got!r} after pushing {version!r}"
         if error is not None:
-            self._known_version = None
+            self.control.known_version = None
             raise WeightSyncError(f"vLLM weight push of version {version} failed: {error}")
-        self._known_version = version
+        self.control.known_version = version
         with self._lock:
             self._last_push = ((b64, digest, version)
                                if len(b64) * 3 // 4 <= self.cache_push_max_bytes else None)
@@ -165,7 +192,8 @@ class VLLMWeightSync(VLLMControl):
         """GPU clusters: `POST /init_weight_transfer_engine` (server started with
         `--weight-transfer-config '{"backend": "nccl"}'`; e.g. NCCLTrainerInitInfo fields
         master_address, master_port, world_size, ...). Not available on CPU."""
-        return self._control("POST", "/init_weight_transfer_engine", body={"init_info": init_info})
+        return self.http.control("POST", "/init_weight_transfer_engine",
+                                 body={"init_info": init_info})
 
     def update_weights_via_transfer(self, names: list[str], dtype_names: list[str],
                                     shapes: list[list[int]], version: str, *,
@@ -178,22 +206,22 @@ class VLLMWeightSync(VLLMControl):
         repack of the worker extension does not apply there (GPU kernels). Untested on CPU.
         """
         async def run():
-            async with self._session() as s:
-                await self._request(s, "POST", "/pause",
+            async with self.http.session() as s:
+                await self.http.request(s, "POST", "/pause",
                                     params={"mode": self.pause_mode, "clear_cache": "true"})
                 try:
-                    await self._request(s, "POST", "/start_weight_update")
-                    update = asyncio.ensure_future(self._request(
+                    await self.http.request(s, "POST", "/start_weight_update")
+                    update = asyncio.ensure_future(self.http.request(
                         s, "POST", "/update_weights", body={"update_info": {
                             "names": list(names), "dtype_names": list(dtype_names),
                             "shapes": [list(map(int, x)) for x in shapes]}}))
                     await asyncio.get_running_loop().run_in_executor(None, send_fn)
                     await update
-                    await self._request(s, "POST", "/finish_weight_update",
+                    await self.http.request(s, "POST", "/finish_weight_update",
                                         body={"weight_version": str(version)})
                 finally:
-                    await self._request(s, "POST", "/resume")
-                return await self._aweight_version(s)
+                    await self.http.request(s, "POST", "/resume")
+                return await self.control.aweight_version(s)
 
         try:
             got = run_sync(run())
@@ -201,14 +229,14 @@ class VLLMWeightSync(VLLMControl):
             raise WeightSyncError(f"weight transfer of version {version} failed: {exc}") from None
         if got != str(version):
             raise WeightSyncError(f"server reports weight version {got!r} after {version!r}")
-        self._known_version = str(version)
+        self.control.known_version = str(version)
         with self._lock:
             self._last_push = None  # nothing cached to re-push after a restart
         return str(version)
 
     # ------------------------------------------------------------------ restart guard
 
-    async def _ensure_server(self, session, state: _CallState) -> AttemptError | None:
+    async def ensure_server(self, session, state: CallState) -> AttemptError | None:
         """Blocks sends while the server is suspect; None when a request may be sent."""
         while True:
             if state.dead is not None:
@@ -220,10 +248,10 @@ class VLLMWeightSync(VLLMControl):
                     continue
                 await self._check_restart(session, state)
                 if state.suspect and state.dead is None:
-                    return AttemptError("connection", f"{self.base_url} is unreachable "
+                    return AttemptError("connection", f"{self.http.base_url} is unreachable "
                                          "(health check failed)")
 
-    async def _check_restart(self, session, state: _CallState) -> None:
+    async def _check_restart(self, session, state: CallState) -> None:
         """Health (waiting up to recover_timeout_s), then the weight version; re-push if needed.
 
         Leaves `state.suspect` True if the server stays unreachable, sets `state.dead` when it
@@ -233,8 +261,8 @@ class VLLMWeightSync(VLLMControl):
         deadline = time.monotonic() + self.recover_timeout_s
         while True:
             try:
-                await self._request(session, "GET", "/health", timeout=10)
-                version = await self._aweight_version(session)
+                await self.http.request(session, "GET", "/health", timeout=10)
+                version = await self.control.aweight_version(session)
                 break
             except AttemptError:
                 if time.monotonic() >= deadline:
@@ -242,7 +270,7 @@ class VLLMWeightSync(VLLMControl):
                 await asyncio.sleep(min(2.0, max(0.1, deadline - time.monotonic())))
         if state.expected is None:
             state.expected = version  # nothing pushed yet: adopt what the server serves
-            self._known_version = version
+            self.control.known_version = version
         if version == state.expected:
             state.suspect = False
             return
@@ -259,7 +287,7 @@ class VLLMWeightSync(VLLMControl):
                           f"(max_recoveries={self.max_recoveries})")
             return
         logger.warning("vLLM server at %s restarted (weight version %r, expected %r): "
-                       "re-pushing the cached weights", self.base_url, version, state.expected)
+                       "re-pushing the cached weights", self.http.base_url, version, state.expected)
         try:
             await self._apush(session, *cached)
         except WeightSyncError as exc:

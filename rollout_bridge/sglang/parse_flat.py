@@ -13,7 +13,7 @@ import numpy as np
 import pybase64
 import torch
 
-from rollout_bridge.decode import (
+from rollout_bridge.core.decode import (
     MalformedResponseError,
     check_topk_values,
     floats,
@@ -23,7 +23,7 @@ from rollout_bridge.decode import (
     loads,
     sort_rank_order,
 )
-from rollout_bridge.types import RolloutSample, RolloutValidationError
+from rollout_bridge.core.types import RolloutSample, RolloutValidationError
 
 
 def flat_output_top(meta: dict, t: int, top_logprobs: int, sample_index: int

@@ -12,14 +12,15 @@ same ordering and versioning rules, so the trainer cannot tell them apart.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from rollout_bridge.types import (
+from rollout_bridge.core.types import (
     RolloutBatch,
     RolloutFailedError,
     RolloutFailure,
@@ -89,6 +90,25 @@ def run_sync(coro: Coroutine) -> Any:
     if "error" in box:
         raise box["error"]
     return box["value"]
+
+
+def delegate(part: str, method: Callable) -> Callable:
+    """An engine method that calls `method` (same name, signature and docstring) on the engine's
+    part `self.<part>`: how an engine client that holds its transport, control and weight-sync
+    parts as attributes offers their public methods as its own."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def call(self, *args: Any, **kwargs: Any) -> Any:
+        return getattr(getattr(self, part), name)(*args, **kwargs)
+
+    return call
+
+
+def attribute(part: str, name: str, doc: str | None = None) -> property:
+    """An engine attribute that reads and writes `self.<part>.<name>` (see `delegate`)."""
+    return property(lambda self: getattr(getattr(self, part), name),
+                    lambda self, value: setattr(getattr(self, part), name, value), doc=doc)
 
 
 # Sampling params that change the logits before sampling (penalties, logit bias, grammar masks,

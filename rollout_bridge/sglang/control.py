@@ -1,6 +1,8 @@
 """Health, identity and control of one or several SGLang servers (no generation, no weights).
 
-What `SGLangControl` does, per server (docs/engines.md, SGLang, for the file:line citations):
+`SGLangControl` is one part of the SGLang client (it holds the transport, `SGLangHTTP`; the
+engine and the weight sync hold the same transport and this control part). What it does, per
+server (docs/engines.md, SGLang, for the file:line citations):
   * `check_server`: GET /health (200 = a real one-token generation went through; 503 = starting,
     shutting down or unhealthy), GET /model_info (`model_path`, `weight_version`). SGLang reports
     no vocabulary size anywhere (/model_info, /server_info), so the vocabulary is checked against
@@ -22,18 +24,19 @@ import logging
 import os
 from typing import Any
 
-from rollout_bridge.sglang_http import ROUTES, SGLangHTTP, SGLangServerError
-from rollout_bridge.types import EngineMismatchError
+from rollout_bridge.sglang.http import SGLangHTTP, SGLangServerError
+from rollout_bridge.core.types import EngineMismatchError
 
 logger = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "retract", "in_place")
 
 
-class SGLangControl(SGLangHTTP):
+class SGLangControl:
     """Control plane of the SGLang servers (see module docstring).
 
-    Args (beyond `SGLangHTTP`'s):
+    Args:
+        http: The transport (server list, API key, control requests).
         vocab_size: Expected vocabulary (checked against the served config.json when readable).
         expected_model_path: `check_server` refuses servers serving another model_path.
         pause_mode: /pause_generation mode. "abort" (default): in-flight requests end with
@@ -41,18 +44,21 @@ class SGLangControl(SGLangHTTP):
             "in_place" keep them queued, which makes SGLang's post-update cache flush fail
             (scheduler_components/weight_updater.py:120-133), so the client then never asks for
             a flush.
+
+    Attributes:
+        known_version: The weight version last seen on (or pushed to) every server.
+        model_info: The first server's /model_info from the last `check_server`.
     """
 
-    def __init__(self, base_urls, *, api_key=None, control_timeout_s: float = 600.0,
-                 vocab_size: int | None = None, expected_model_path: str | None = None,
-                 pause_mode: str = "abort"):
-        super().__init__(base_urls, api_key=api_key, control_timeout_s=control_timeout_s)
+    def __init__(self, http: SGLangHTTP, *, vocab_size: int | None = None,
+                 expected_model_path: str | None = None, pause_mode: str = "abort"):
         if pause_mode not in PAUSE_MODES:
             raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
+        self.http = http
         self.vocab_size = vocab_size
         self.expected_model_path = expected_model_path
         self.pause_mode = pause_mode
-        self._known_version: str | None = None
+        self.known_version: str | None = None
         self.model_info: dict | None = None
 
     # ------------------------------------------------------------------ identity and health
@@ -68,12 +74,12 @@ class SGLangControl(SGLangHTTP):
                 vocabulary, or servers reporting different weight versions.
         """
         try:
-            self._control_all("health")
-            infos = self._control_all("model_info")
+            self.http.control_all("health")
+            infos = self.http.control_all("model_info")
         except SGLangServerError as exc:
             raise EngineMismatchError(f"SGLang server check failed: {exc}") from exc
         versions = []
-        for url, info in zip(self.base_urls, infos):
+        for url, info in zip(self.http.base_urls, infos):
             if not isinstance(info, dict):
                 raise EngineMismatchError(f"{url}: /model_info answered {str(info)[:200]}")
             if self.expected_model_path is not None and \
@@ -86,13 +92,14 @@ class SGLangControl(SGLangHTTP):
         if len(set(versions)) != 1:
             raise EngineMismatchError("SGLang servers report different weight versions: "
                                       + ", ".join(f"{u}={v!r}" for u, v in
-                                                  zip(self.base_urls, versions)))
-        self._known_version = versions[0]
-        info = dict(infos[0], weight_version=versions[0], num_servers=len(self.base_urls))
+                                                  zip(self.http.base_urls, versions)))
+        self.known_version = versions[0]
+        info = dict(infos[0], weight_version=versions[0], num_servers=len(self.http.base_urls))
         self.model_info = info
         logger.info("SGLang: %d server(s) ok (%s), model %s, weight_version %s, API key %s",
-                    len(self.base_urls), ", ".join(self.base_urls), info.get("model_path"),
-                    versions[0], "sent" if self.has_api_key else "not set")
+                    len(self.http.base_urls), ", ".join(self.http.base_urls),
+                    info.get("model_path"),
+                    versions[0], "sent" if self.http.has_api_key else "not set")
         return info
 
     def _check_vocab(self, url: str, model_path: str | None) -> None:
@@ -111,7 +118,7 @@ class SGLangControl(SGLangHTTP):
 
     def weight_versions(self) -> list[str | None]:
         """Every server's current weight version (GET /model_info), in server order."""
-        infos = self._control_all("model_info")
+        infos = self.http.control_all("model_info")
         return [None if not isinstance(i, dict) or i.get("weight_version") is None
                 else str(i["weight_version"]) for i in infos]
 
@@ -121,15 +128,15 @@ class SGLangControl(SGLangHTTP):
         if len(set(versions)) != 1:
             raise EngineMismatchError("SGLang servers report different weight versions: "
                                       + ", ".join(f"{u}={v!r}" for u, v in
-                                                  zip(self.base_urls, versions)))
-        self._known_version = versions[0]
+                                                  zip(self.http.base_urls, versions)))
+        self.known_version = versions[0]
         return versions[0]
 
     def server_layout(self) -> list[dict[str, int]]:
         """[{"tp_size", "dp_size", "pp_size"}] per server, from GET /server_info (only these
         three numbers are kept: the answer also holds the server's API key)."""
         out = []
-        for url, info in zip(self.base_urls, self._control_all("server_info")):
+        for url, info in zip(self.http.base_urls, self.http.control_all("server_info")):
             try:
                 out.append({k: int(info[k]) for k in ("tp_size", "dp_size", "pp_size")})
             except (KeyError, TypeError, ValueError):
@@ -142,38 +149,28 @@ class SGLangControl(SGLangHTTP):
 
     def pause_generation(self, mode: str | None = None) -> list[Any]:
         """POST /pause_generation on every server (aborted in-flight items are retried later)."""
-        return self._control_all("pause_generation", {"mode": mode or self.pause_mode})
+        return self.http.control_all("pause_generation", {"mode": mode or self.pause_mode})
 
     def continue_generation(self) -> list[Any]:
         """POST /continue_generation on every server."""
-        return self._control_all("continue_generation", {})
+        return self.http.control_all("continue_generation", {})
 
     def begin_weight_update(self, selector: str = "all") -> None:
         """POST /begin_weight_update: opens the session update_weights_from_distributed/_tensor
         need (scheduler_components/weight_updater.py:187-199, :309)."""
-        self._checked_all("begin_weight_update", {"selector": selector})
+        self.http.checked_all("begin_weight_update", {"selector": selector})
 
     def end_weight_update(self) -> None:
         """POST /end_weight_update: closes the session (finalises quantised weights). The body
         is empty: EndWeightUpdateReqInput has no fields (io_struct.py:2208 (0.5.23))."""
-        self._checked_all("end_weight_update", {})
+        self.http.checked_all("end_weight_update", {})
 
     def flush_cache(self) -> None:
-        self._control_all("flush_cache", None)
+        self.http.control_all("flush_cache", None)
 
     def release_memory_occupation(self, tags: list[str] | None = None) -> None:
         """POST /release_memory_occupation (colocated GPU mode; the server must be idle)."""
-        self._control_all("release_memory_occupation", {"tags": tags})
+        self.http.control_all("release_memory_occupation", {"tags": tags})
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
-        self._control_all("resume_memory_occupation", {"tags": tags})
-
-    def _checked_all(self, name: str, body: dict | None, urls=None) -> list[Any]:
-        """`name` on every server; a `{"success": false}` answer is an error too."""
-        outs = self._control_all(name, body, urls=urls)
-        for url, out in zip(urls or self.base_urls, outs):
-            if isinstance(out, dict) and out.get("success") is False:
-                method, path = ROUTES[name]
-                raise SGLangServerError(f"{url}: {method} {path} refused: {out.get('message')}",
-                                        url=url, route=f"{method} {path}")
-        return outs
+        self.http.control_all("resume_memory_occupation", {"tags": tags})

@@ -28,7 +28,7 @@ import itertools
 
 import numpy as np
 
-from rollout_bridge.decode import (
+from rollout_bridge.core.decode import (
     MalformedResponseError,
     first,
     floats,
@@ -37,7 +37,7 @@ from rollout_bridge.decode import (
     sort_rank_order,
     to_sample,
 )
-from rollout_bridge.types import RolloutSample, RolloutValidationError
+from rollout_bridge.core.types import RolloutSample, RolloutValidationError
 
 __all__ = ["NEG_INF_CLAMP", "parse_completion_choice"]
 

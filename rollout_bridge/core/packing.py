@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from rollout_bridge.types import PackedBatch, RolloutBatch, RolloutSample
+from rollout_bridge.core.types import PackedBatch, RolloutBatch, RolloutSample
 
 logger = logging.getLogger(__name__)
 

@@ -6,8 +6,8 @@ SGLang): `POST /generate` with `input_ids`, `return_logprob=true`, `top_logprobs
 repeated n times in `input_ids`, one `rid` per item). With several servers (a list of URLs:
 sglang-router cannot carry this traffic, docs/engines.md) the prompts of a call are spread over
 them round-robin and a retry goes to the next server. Health, identity and control are
-`SGLangControl`'s (sglang_control.py), weight sync `SGLangWeightSync`'s (sglang_weights.py); the
-engine is all three.
+`SGLangControl`'s (control.py), weight sync `SGLangWeightSync`'s (weights.py), both over the
+transport `SGLangHTTP` (http.py); the engine holds the three parts and offers their methods.
 
 Fault handling: asyncio + aiohttp with a semaphore bounding in-flight requests, a total timeout
 per request, and retries with exponential backoff (seeded jitter) on connection errors, timeouts,
@@ -51,66 +51,34 @@ from typing import Any
 import aiohttp
 import torch
 
-from rollout_bridge.decode import MalformedResponseError, loads
-from rollout_bridge.engine import (
-    LOGIT_MODIFIERS,
+from rollout_bridge.core.decode import MalformedResponseError, loads
+from rollout_bridge.core.apikey import ApiKey
+from rollout_bridge.core.engine import (
     AttemptError,
     assemble_batch,
-    check_sampling_params,
+    attribute,
+    delegate,
     run_sync,
 )
-from rollout_bridge.parse import parse_response_object
-from rollout_bridge.parse_flat import parse_scoring_response
-from rollout_bridge.sglang_http import ROUTES, error_message
-from rollout_bridge.sglang_weights import SGLangWeightSync
-from rollout_bridge.types import (
+from rollout_bridge.sglang.parse import parse_response_object
+from rollout_bridge.sglang.parse_flat import parse_scoring_response
+from rollout_bridge.sglang.control import SGLangControl
+from rollout_bridge.sglang.http import ROUTES, SGLangHTTP, error_message
+from rollout_bridge.sglang.sampling import SAMPLING_KEYS, check_sglang_sampling_params
+from rollout_bridge.sglang.weights import SGLangWeightSync
+from rollout_bridge.core.types import (
     RolloutBatch,
     RolloutFailure,
     RolloutSample,
     RolloutValidationError,
-    SamplingParamsError,
 )
 
 logger = logging.getLogger(__name__)
 
 TOPK_TRANSPORTS = ("json", "flat_b64", "scoring_b64")
 
-SAMPLING_KEYS = frozenset({
-    "max_new_tokens", "stop_token_ids", "temperature", "top_p", "top_k", "min_p",
-    "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
-    "sampling_seed", "stop", "stop_regex", *LOGIT_MODIFIERS} - {"min_tokens",
-                                                            "custom_logit_processor"})
-"""`sampling_params` keys the client forwards (each is a field of sglang's SamplingParams in
-0.5.22 and 0.5.23, checked in CI); everything else is refused before a request is sent."""
 
-_SCORING_TEMPERATURES = (0.0, 1.0)
-
-
-def check_sglang_sampling_params(params: dict, allow_truncated_sampling: bool = False,
-                                 topk_transport: str = "json") -> float:
-    """`check_sampling_params` plus SGLang's own refusals (module docstring). Returns T."""
-    unknown = sorted(set(params) - SAMPLING_KEYS - {"n"})
-    if unknown:
-        raise SamplingParamsError(f"sampling params {unknown} are not forwarded to SGLang "
-                                  f"(known: {sorted(SAMPLING_KEYS)})")
-    if params.get("top_k") is not None and int(params["top_k"]) == 0:
-        raise SamplingParamsError("top_k=0: SGLang refuses it (HTTP 400, 'top_k must be -1 "
-                                  "(disable) or at least 1'); use top_k=-1 for no truncation")
-    for key in ("stop", "stop_regex"):
-        if params.get(key):
-            raise SamplingParamsError(f"{key}={params[key]!r}: string stops need the server's "
-                                      "tokenizer (--skip-tokenizer-init refuses them); use "
-                                      "stop_token_ids")
-    temperature = check_sampling_params(params, allow_truncated_sampling)
-    if topk_transport == "scoring_b64" and temperature not in _SCORING_TEMPERATURES:
-        raise SamplingParamsError(
-            f"topk_transport='scoring_b64' at temperature {temperature}: SGLang's prompt-side "
-            "top-K is log_softmax of the raw logits (untempered) while the sampled logprob is "
-            "tempered, so the support would mix two distributions; use 'flat_b64' or 'json'")
-    return temperature
-
-
-class SGLangEngine(SGLangWeightSync):
+class SGLangEngine:
     """`RolloutEngine` backed by one or several SGLang HTTP servers (see module docstring).
 
     Args:
@@ -131,9 +99,15 @@ class SGLangEngine(SGLangWeightSync):
         control_timeout_s: Timeout of control requests (health, weight updates).
         pause_mode: /pause_generation mode ("abort", "retract" or "in_place").
         check_on_start: Run `check_server()` in the constructor.
+
+    Parts (each built here from these arguments, shared by reference):
+        http: `SGLangHTTP`, the transport (server list, API key, control requests).
+        control: `SGLangControl` (health, identity, versions, pause / continue).
+        weights: `SGLangWeightSync` (disk, broadcast and tensor updates).
+    Their public methods are the engine's own (`check_server`, `update_weights_from_disk`, ...).
     """
 
-    def __init__(self, base_url, top_logprobs: int = 20, *, api_key=None,
+    def __init__(self, base_url, top_logprobs: int = 20, *, api_key: ApiKey | str | None = None,
                  timeout_s: float = 600.0, max_retries: int = 3, max_concurrency: int = 64,
                  backoff_s: float = 0.5, backoff_max_s: float = 30.0, seed: int = 0,
                  vocab_size: int | None = None, expected_model_path: str | None = None,
@@ -142,9 +116,11 @@ class SGLangEngine(SGLangWeightSync):
                  pause_mode: str = "abort", check_on_start: bool = False):
         if topk_transport not in TOPK_TRANSPORTS:
             raise ValueError(f"topk_transport must be one of {TOPK_TRANSPORTS}")
-        super().__init__(base_url, api_key=api_key, control_timeout_s=control_timeout_s,
-                         vocab_size=vocab_size, expected_model_path=expected_model_path,
-                         pause_mode=pause_mode)
+        self.http = SGLangHTTP(base_url, api_key=api_key, control_timeout_s=control_timeout_s)
+        self.control = SGLangControl(self.http, vocab_size=vocab_size,
+                                     expected_model_path=expected_model_path,
+                                     pause_mode=pause_mode)
+        self.weights = SGLangWeightSync(self.http, self.control)
         self.top_logprobs = int(top_logprobs)
         self.timeout_s = float(timeout_s)
         self.max_retries = int(max_retries)
@@ -159,6 +135,40 @@ class SGLangEngine(SGLangWeightSync):
         self._calls = 0
         if check_on_start:
             self.check_server()
+
+    # ------------------------------------------------------------------ the parts' faces
+
+    base_urls = attribute("http", "base_urls", "The servers, in order.")
+    base_url = property(lambda self: self.http.base_url, doc="The first server.")
+    has_api_key = property(lambda self: self.http.has_api_key)
+    control_timeout_s = attribute("http", "control_timeout_s")
+    vocab_size = attribute("control", "vocab_size")
+    expected_model_path = attribute("control", "expected_model_path")
+    pause_mode = attribute("control", "pause_mode")
+    model_info = attribute("control", "model_info")
+
+    check_server = delegate("control", SGLangControl.check_server)
+    weight_versions = delegate("control", SGLangControl.weight_versions)
+    weight_version = delegate("control", SGLangControl.weight_version)
+    server_layout = delegate("control", SGLangControl.server_layout)
+    pause_generation = delegate("control", SGLangControl.pause_generation)
+    continue_generation = delegate("control", SGLangControl.continue_generation)
+    begin_weight_update = delegate("control", SGLangControl.begin_weight_update)
+    end_weight_update = delegate("control", SGLangControl.end_weight_update)
+    flush_cache = delegate("control", SGLangControl.flush_cache)
+    release_memory_occupation = delegate("control", SGLangControl.release_memory_occupation)
+    resume_memory_occupation = delegate("control", SGLangControl.resume_memory_occupation)
+    weight_update_session = delegate("weights", SGLangWeightSync.weight_update_session)
+    update_weights_from_disk = delegate("weights", SGLangWeightSync.update_weights_from_disk)
+    update_weights = delegate("weights", SGLangWeightSync.update_weights)
+    init_weights_update_group = delegate("weights", SGLangWeightSync.init_weights_update_group)
+    distributed_update_body = delegate("weights", SGLangWeightSync.distributed_update_body)
+    post_distributed_update = delegate("weights", SGLangWeightSync.post_distributed_update)
+    update_weights_from_distributed = delegate("weights",
+                                               SGLangWeightSync.update_weights_from_distributed)
+    destroy_weights_update_group = delegate("weights",
+                                            SGLangWeightSync.destroy_weights_update_group)
+    update_weights_from_tensor = delegate("weights", SGLangWeightSync.update_weights_from_tensor)
 
     # ------------------------------------------------------------------ payloads
 
@@ -213,14 +223,15 @@ class SGLangEngine(SGLangWeightSync):
         outcomes: dict[tuple[int, int], RolloutSample | RolloutFailure] = {}
         sem = asyncio.Semaphore(self.max_concurrency)
         connector = aiohttp.TCPConnector(limit=self.max_concurrency)
-        async with aiohttp.ClientSession(connector=connector, headers=self._headers()) as session:
+        async with aiohttp.ClientSession(connector=connector,
+                                         headers=self.http.headers()) as session:
             await asyncio.gather(*(
                 self._run_prompt(session, sem, p, list(prompt), params, temperature, n, outcomes)
                 for p, prompt in enumerate(prompt_ids)))
         raise_on_failure = self.raise_on_failure if raise_on_failure is None else raise_on_failure
         return assemble_batch(outcomes, len(prompt_ids), n, temperature=temperature,
                               top_logprobs=self.top_logprobs, prompt_ids=prompt_ids,
-                              default_version=self._known_version,
+                              default_version=self.control.known_version,
                               raise_on_failure=raise_on_failure, vocab_size=self.vocab_size,
                               validated=True)
 
@@ -231,7 +242,7 @@ class SGLangEngine(SGLangWeightSync):
     def _server(self, p: int, attempt: int) -> str:
         """Prompt p's server for its attempt: round-robin over the call's prompts, a retry on
         the next server."""
-        urls = self.base_urls
+        urls = self.http.base_urls
         return urls[(p + self._calls + attempt - 1) % len(urls)]
 
     async def _run_prompt(self, session, sem, p: int, prompt: list[int], params: dict,

@@ -1,15 +1,18 @@
 """HTTP plumbing shared by the SGLang client modules: servers, the API key, control requests.
 
-What: `SGLangHTTP` holds the list of server base URLs and the API key, sends control requests
-(one server or all of them concurrently) and turns every non-2xx answer into an error that names
-the server, the route and SGLang's own message. `ROUTES` lists every (method, path) the client
-calls; CI checks each one against the route table of the installed sglang package
-(tests/sglang_api), so a route that does not exist in a supported release cannot be used.
+What: `SGLangHTTP`, the transport the SGLang client's parts share (`SGLangControl`,
+`SGLangWeightSync`, `SGLangEngine` hold one), keeps the list of server base URLs and the API key,
+sends control requests (one server or all of them concurrently) and turns every non-2xx answer
+into an error that names the server, the route and SGLang's own message. `ROUTES` lists every
+(method, path) the client calls; CI checks each one against the route table of the installed
+sglang package (tests/sglang_api), so a route that does not exist in a supported release cannot
+be used.
 
 API key (SGLang `--api-key`): sent as `Authorization: Bearer <key>` on every request, which is
-what SGLang's middleware checks (sglang/srt/utils/auth.py, 0.5.22/0.5.23). The key is read from
-an environment variable or a file (`read_api_key`), held in an `ApiKey` whose repr and str are
-redacted, and never written to a log line or an error message.
+what SGLang's middleware checks (sglang/srt/utils/auth.py, 0.5.22/0.5.23). The key is held in
+the bridge's one `ApiKey` type (rollout_bridge/core/apikey.py: redacted repr and str, read from an
+environment variable or a file by `read_api_key`) and never written to a log line or an error
+message.
 
 Error shapes SGLang answers with (docs/engines.md, SGLang): a body that does not parse into the
 request class -> 400 `{"object": "error", "message": ...}`; a /generate contract violation ->
@@ -22,14 +25,14 @@ request class -> 400 `{"object": "error", "message": ...}`; a /generate contract
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
 
-from rollout_bridge.decode import MalformedResponseError, loads
-from rollout_bridge.engine import run_sync
+from rollout_bridge.core.apikey import ApiKey
+from rollout_bridge.core.decode import MalformedResponseError, loads
+from rollout_bridge.core.engine import run_sync
 
 # Every (method, path) the client sends, by purpose. tests/sglang_api checks each against the
 # installed sglang's HTTP app (both supported versions); tests/bridge/fake_sglang.py serves them.
@@ -68,50 +71,6 @@ class SGLangServerError(RuntimeError):
         self.url, self.route, self.status = url, route, status
 
 
-class ApiKey:
-    """The server's API key; never shown by repr/str (so it cannot reach a log by accident)."""
-
-    __slots__ = ("_value",)
-
-    def __init__(self, value: str):
-        value = value.strip()
-        if not value:
-            raise ValueError("empty API key")
-        self._value = value
-
-    def header(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self._value}"}
-
-    def reveal(self) -> str:
-        """The key itself (only for handing it to a server launcher)."""
-        return self._value
-
-    def __repr__(self) -> str:
-        return "ApiKey(<redacted>)"
-
-    __str__ = __repr__
-
-    def __reduce__(self):  # never pickled into a checkpoint or a broadcast
-        raise TypeError("ApiKey is not picklable")
-
-
-def read_api_key(env: str | None = None, file: str | None = None) -> ApiKey | None:
-    """The API key from a file (first line) or an environment variable; None if neither is set.
-
-    A file wins over the variable. A named file that does not exist is an error (a typo must not
-    silently disable authentication); an unset variable is not.
-    """
-    if file:
-        with open(os.path.expanduser(file)) as f:
-            text = f.readline()
-        if not text.strip():
-            raise ValueError(f"API key file {file} is empty")
-        return ApiKey(text)
-    if env and os.environ.get(env, "").strip():
-        return ApiKey(os.environ[env])
-    return None
-
-
 def error_message(raw: bytes) -> str:
     """SGLang's error text from any of its error bodies (module docstring), else the raw start."""
     try:
@@ -131,7 +90,7 @@ def error_message(raw: bytes) -> str:
 
 
 class SGLangHTTP:
-    """Server list, API key and control requests (base of the SGLang client classes).
+    """Server list, API key and control requests (the transport of the SGLang client's parts).
 
     Args:
         base_urls: One URL or a list ("http://10.0.0.5:30000"); each a SGLang server, never a
@@ -148,7 +107,7 @@ class SGLangHTTP:
         self.base_urls = [u.rstrip("/") for u in urls]
         if len(set(self.base_urls)) != len(self.base_urls):
             raise ValueError(f"duplicate SGLang server URLs in {self.base_urls}")
-        self._api_key = ApiKey(api_key) if isinstance(api_key, str) else api_key
+        self._api_key = ApiKey.of(api_key)
         self.control_timeout_s = float(control_timeout_s)
 
     @property
@@ -160,17 +119,18 @@ class SGLangHTTP:
     def has_api_key(self) -> bool:
         return self._api_key is not None
 
-    def _headers(self) -> dict[str, str]:
+    def headers(self) -> dict[str, str]:
+        """The request headers (the API key's, if any)."""
         return self._api_key.header() if self._api_key is not None else {}
 
-    async def _arequest(self, session: aiohttp.ClientSession, url: str, name: str,
-                        body: dict | None = None) -> Any:
+    async def arequest(self, session: aiohttp.ClientSession, url: str, name: str,
+                       body: dict | None = None) -> Any:
         """One control request; the decoded JSON answer (None for an empty body/`null`)."""
         method, path = ROUTES[name]
         route = f"{method} {path}"
         try:
             async with session.request(method, url + path, json=body,
-                                       headers=self._headers()) as resp:
+                                       headers=self.headers()) as resp:
                 raw = await resp.read()
                 status = resp.status
         except TimeoutError:
@@ -191,21 +151,21 @@ class SGLangHTTP:
         except MalformedResponseError:
             return {"text": raw.decode("utf-8", "replace")}
 
-    def _session(self, limit: int = 0) -> aiohttp.ClientSession:
+    def session(self, limit: int = 0) -> aiohttp.ClientSession:
         timeout = aiohttp.ClientTimeout(total=self.control_timeout_s)
         return aiohttp.ClientSession(timeout=timeout,
                                      connector=aiohttp.TCPConnector(limit=limit))
 
-    async def _acontrol_all(self, name: str, body: dict | None = None,
-                            urls: Sequence[str] | None = None,
-                            bodies: Sequence[dict] | None = None) -> list[Any]:
+    async def acontrol_all(self, name: str, body: dict | None = None,
+                           urls: Sequence[str] | None = None,
+                           bodies: Sequence[dict] | None = None) -> list[Any]:
         """`name` on every server concurrently (`bodies`: one body per server); answers in
         server order (the first error is raised after all have answered, so no request is left
         running)."""
         urls = list(urls or self.base_urls)
         bodies = list(bodies) if bodies is not None else [body] * len(urls)
-        async with self._session() as session:
-            results = await asyncio.gather(*(self._arequest(session, u, name, b)
+        async with self.session() as session:
+            results = await asyncio.gather(*(self.arequest(session, u, name, b)
                                              for u, b in zip(urls, bodies)),
                                            return_exceptions=True)
         for r in results:
@@ -213,11 +173,24 @@ class SGLangHTTP:
                 raise r
         return results
 
-    def _control(self, name: str, body: dict | None = None, url: str | None = None) -> Any:
+    def control(self, name: str, body: dict | None = None, url: str | None = None) -> Any:
         """`name` on one server (default: the first)."""
-        return self._control_all(name, body, urls=[url or self.base_url])[0]
+        return self.control_all(name, body, urls=[url or self.base_url])[0]
 
-    def _control_all(self, name: str, body: dict | None = None,
-                     urls: Sequence[str] | None = None,
-                     bodies: Sequence[dict] | None = None) -> list[Any]:
-        return run_sync(self._acontrol_all(name, body, urls, bodies))
+    def control_all(self, name: str, body: dict | None = None,
+                    urls: Sequence[str] | None = None,
+                    bodies: Sequence[dict] | None = None) -> list[Any]:
+        """`name` on every server (or `urls`), blocking; see `acontrol_all`."""
+        return run_sync(self.acontrol_all(name, body, urls, bodies))
+
+    def checked_all(self, name: str, body: dict | None = None, urls: Sequence[str] | None = None,
+                    bodies: Sequence[dict] | None = None) -> list[Any]:
+        """`control_all`, and a `{"success": false}` answer is an error too."""
+        urls = list(urls or self.base_urls)
+        outs = self.control_all(name, body, urls=urls, bodies=bodies)
+        for url, out in zip(urls, outs):
+            if isinstance(out, dict) and out.get("success") is False:
+                method, path = ROUTES[name]
+                raise SGLangServerError(f"{url}: {method} {path} refused: {out.get('message')}",
+                                        url=url, route=f"{method} {path}")
+        return outs

@@ -38,7 +38,7 @@ Constraints: this file runs inside the vLLM worker process, so it imports nothin
 repository. vLLM and safetensors are imported lazily so that the trainer side can import
 ``canonical_digest`` without vLLM installed. Do not put the ``rollout_bridge`` directory itself on
 ``sys.path`` (its ``types.py`` would shadow the standard library); either make the package
-importable (``rollout_bridge.vllm_worker_ext.VLLMWeightSyncExtension``, which also imports
+importable (``rollout_bridge.vllm.worker_ext.VLLMWeightSyncExtension``, which also imports
 ``rollout_bridge/__init__``) or copy this file into a directory of its own on ``PYTHONPATH``.
 """
 

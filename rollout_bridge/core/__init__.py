@@ -1,0 +1,1 @@
+"""Engine-independent parts of the bridge: types, the engine contract, shared decoding, packing."""

@@ -1,0 +1,1 @@
+"""The in-process engine (`LocalEngine`): rollouts from a torch model, no server."""

@@ -1,0 +1,1 @@
+"""The vLLM client: HTTP transport, weight sync, generation, its parser and the worker extension."""
