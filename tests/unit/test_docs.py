@@ -20,8 +20,9 @@ CITE = re.compile(r"(cpu-megatron\.md\s*)?§\s?(\d+(?:\.\d+)*)")
 
 def _files():
     for path in ROOT.rglob("*"):
+        parts = path.relative_to(ROOT).parts
         if path.is_file() and path.suffix in (".py", ".md", ".sh", ".yaml", ".toml", ".txt") \
-                and not SKIP & set(path.relative_to(ROOT).parts):
+                and not SKIP & set(parts) and not any(p.endswith(".egg-info") for p in parts):
             yield path
 
 
