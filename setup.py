@@ -40,6 +40,13 @@ EXTRAS = {
     ],
 }
 
+# Console commands (each is also `python -m <module>`). The converters, verify and study tools
+# under tools/ are not in the package yet (`python tools/<name>.py` from a checkout).
+CONSOLE_SCRIPTS = [
+    "megatron-pdm-train = megatron_pdm.train.__main__:cli",
+    "megatron-pdm-vllm-server = megatron_pdm.train.vllm_server:cli",
+]
+
 setup(
     name="megatron-pdm",
     version="0.2.0",
@@ -53,4 +60,5 @@ setup(
     extras_require=EXTRAS,
     include_package_data=True,
     package_data={"megatron_pdm.configs": ["*.yaml"]},
+    entry_points={"console_scripts": CONSOLE_SCRIPTS},
 )

@@ -63,3 +63,15 @@ def test_ngc_prerelease_builds_satisfy_the_ranges():
         assert reqs[name].specifier.contains(Version(version), prereleases=True), (name, version)
     assert not reqs["torch"].specifier.contains(Version("2.5.1"), prereleases=True)
     assert not reqs["megatron-core"].specifier.contains(Version("0.20.0rc0"), prereleases=True)
+
+
+def test_console_scripts_resolve_to_callables():
+    import importlib
+
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    scripts = next(ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+                   and n.targets[0].id == "CONSOLE_SCRIPTS")
+    assert {s.split("=")[0].strip() for s in scripts} >= {"megatron-pdm-train"}
+    for line in scripts:
+        module, func = line.split("=", 1)[1].strip().split(":")
+        assert callable(getattr(importlib.import_module(module), func)), line
