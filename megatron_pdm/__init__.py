@@ -21,6 +21,12 @@ from __future__ import annotations
 
 import importlib
 
+from megatron_pdm.triton_stub import stub_triton_paged_stash as _stub_triton
+
+# megatron-core 0.19 without triton: before any megatron import of this process
+# (megatron_pdm/triton_stub.py says why here). Inert with triton or megatron-core 0.16.
+_stub_triton()
+
 _EXPORTS = {
     "PRESETS": "megatron_pdm.config",
     "PolicyLossConfig": "megatron_pdm.config",

@@ -14,8 +14,9 @@
 #       full: torch's real dependencies (nvidia-* wheels + triton). Download ~2.6 GB, venv ~4.7 GB.
 #   - megatron-core $MCORE_VERSION (wheel), installed with --no-deps plus its non-torch deps
 #   - this package (editable, --no-deps) plus its install+test deps read from setup.py, minus
-#     torch and megatron-core (setup.py pins the CPU torch; pip must never resolve torch here, or it
-#     would pull the CUDA stack / replace our torch).
+#     torch and megatron-core (setup.py gives both as ranges, which the torch installed above
+#     satisfies; they are still left out so that pip never resolves torch here: it would pull
+#     the CUDA stack or replace this torch).
 # then prints versions and runs `pytest $PYTEST_OPTS <paths>` in the source tree.
 #
 # Environment:

@@ -10,34 +10,12 @@ is shown as usual.
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
-import types
 import warnings
 
-PAGED_STASH = "megatron.core.transformer.moe.ops.paged_stash"
+from megatron_pdm.triton_stub import PAGED_STASH, stub_triton_paged_stash  # noqa: F401
 
-
-def stub_triton_paged_stash() -> None:
-    """megatron-core >= 0.19 imports triton at `import megatron.core` (schedules.py imports the MoE
-    paged stash, whose kernels are triton; a GPU-only memory feature). Without triton (CPU torch)
-    that import fails, so the one module is stubbed in `sys.modules` before any megatron import:
-    same names, kernels that raise if ever called. Inert when triton is installed or on 0.16.1
-    (which has no such module)."""
-    if PAGED_STASH in sys.modules or importlib.util.find_spec("triton") is not None:
-        return
-    stub = types.ModuleType(PAGED_STASH)
-    stub.GLOBAL_BLOCK_SIZE = 1024  # megatron-core 0.19.2's value
-
-    def _needs_triton(*args, **kwargs):
-        raise RuntimeError("megatron-core's MoE paged stash needs triton (a GPU build of torch)")
-
-    stub.paged_stash_copy_kernel = stub.paged_stash_pop_kernel = _needs_triton
-    sys.modules[PAGED_STASH] = stub
-
-
-stub_triton_paged_stash()
+stub_triton_paged_stash()  # (also done by `import megatron_pdm`; idempotent)
 
 _FALLBACK = re.compile(r"(Apex|Transformer Engine).*not installed|Falling back to")
 _seen: list[str] = []

@@ -128,7 +128,13 @@ def main(argv=None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+
+def cli() -> int:
+    """Console-script entry point (setup.py `entry_points`): `main` with ConfigError handling."""
     from megatron_pdm.cli import run_cli
 
-    sys.exit(run_cli(main))
+    return run_cli(main)
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -51,14 +51,23 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_VENV = ROOT / ".venv-vllm"
+VENV_ENV = "VLLM_VENV"  # the vLLM venv's path, overriding the default below
+
+
+def default_venv(root: Path = ROOT) -> Path:
+    """<repo>/.venv-vllm in a source checkout (where scripts/setup_vllm_cpu.sh puts it);
+    ./.venv-vllm of the working directory for an installed wheel (never inside site-packages)."""
+    if (root / "setup.py").exists() and (root / "megatron_pdm").is_dir():
+        return root / ".venv-vllm"
+    return Path.cwd() / ".venv-vllm"
+
 EXT_MODULE = "pdm_vllm_ext"
 DEFAULT_KEY_ENV = "PDM_VLLM_API_KEY"
 
 
 def vllm_python(venv: str | os.PathLike | None = None) -> Path:
-    """The vLLM venv's interpreter (`VLLM_VENV` or <repo>/.venv-vllm)."""
-    return Path(venv or os.environ.get("VLLM_VENV") or DEFAULT_VENV) / "bin" / "python"
+    """The vLLM venv's interpreter: `venv`, else $VLLM_VENV, else `default_venv()`."""
+    return Path(venv or os.environ.get(VENV_ENV) or default_venv()) / "bin" / "python"
 
 
 def check_servable(arch) -> None:
@@ -146,7 +155,7 @@ class VLLMServer:
         max_model_len: Context length (default: the config's max_position_embeddings).
         served_model_name: The OpenAI model name.
         extra_args: More server flags.
-        venv: The vLLM venv (default `VLLM_VENV` or <repo>/.venv-vllm).
+        venv: The vLLM venv (default $VLLM_VENV, else `default_venv()`).
         omp_threads: OMP threads of the CPU worker (`VLLM_CPU_OMP_THREADS_BIND` stays default).
     """
 
@@ -357,7 +366,13 @@ def main(argv: list[str] | None = None) -> int:
         print("vllm_server: stopped", flush=True)
 
 
-if __name__ == "__main__":
+
+def cli() -> int:
+    """Console-script entry point (setup.py `entry_points`): `main` with ConfigError handling."""
     from megatron_pdm.cli import run_cli
 
-    sys.exit(run_cli(main))
+    return run_cli(main)
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

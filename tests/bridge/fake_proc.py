@@ -29,6 +29,14 @@ def sglang_pythonpath(version: str) -> str | None:
         return f.read().strip()
 
 
+def read_call_log(path: str) -> list[dict]:
+    """The complete lines of a fake server's call log (`--log-file`)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.endswith("\n")]
+
+
 class FakeServerProcess:
     """One fake SGLang server process.
 
@@ -72,11 +80,9 @@ class FakeServerProcess:
             self.url = f"http://127.0.0.1:{int(f.read())}"
 
     def calls(self) -> list[dict]:
-        time.sleep(0.5)  # the server flushes its call log every 0.2 s
-        if not os.path.exists(self.log_file):
-            return []
-        with open(self.log_file) as f:
-            return [json.loads(line) for line in f]
+        """Every call the server has answered (each is logged before it is answered), in order;
+        a line still being written by a call in flight is left out."""
+        return read_call_log(self.log_file)
 
     def num_generate(self) -> int:
         """/generate requests the server has answered or is answering (flushed every 0.2 s;

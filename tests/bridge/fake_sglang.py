@@ -26,13 +26,16 @@ Faults: `server.fault_fn(body, call_no) -> Fault | None` is called for every /ge
 `parse_rid` recovers (prompt, sample, attempt) from the client's request ids.
 
 CLI (the driver tests start it as a process): `python tests/bridge/fake_sglang.py --hf-dir DIR
---port-file F [--log-file L] [--api-key-env VAR] [--receiver auto|mirror|sglang]`.
+--port-file F [--log-file L] [--api-key-env VAR] [--receiver auto|mirror|sglang]`. The log gets
+each call (but /generate) as one JSON line before the call is answered; the /generate count goes
+to L.generate every 0.2 s and when the server stops.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import re
 import sys
 import threading
@@ -44,7 +47,7 @@ import orjson
 import torch
 from aiohttp import web
 
-sys.path.insert(0, __import__("os").path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(__file__))
 
 import sglang_format as fmt
 import sglang_rules as rules
@@ -112,6 +115,10 @@ class FakeSGLangServer:
         self.tensor_deserializer: Callable[[list[str]], dict] | None = None
         self.calls: list[tuple[str, dict]] = []
         self.num_generate = 0
+        # --log-file: every call but /generate is appended (one write of one line) before it
+        # is answered, so a client that got its answer finds the call in the log.
+        self.call_log_fd: int | None = None
+        self._log_lock = threading.Lock()
         self.paused = False
         self.session = rules.Session()
         self.served_state: dict[str, torch.Tensor] = {}
@@ -183,11 +190,11 @@ class FakeSGLangServer:
     # ------------------------------------------------------------------ endpoints
 
     async def _health(self, request: web.Request) -> web.Response:
-        self.calls.append(("health", {}))
+        self._record("health", {})
         return web.Response(status=200)
 
     async def _model_info(self, request: web.Request) -> web.Response:
-        self.calls.append(("model_info", {}))
+        self._record("model_info", {})
         return web.json_response({
             "model_path": self.model_path, "served_model_name": self.model_path,
             "tokenizer_path": None, "is_generation": True, "preferred_sampling_params": None,
@@ -197,7 +204,7 @@ class FakeSGLangServer:
             "model_type": None, "architectures": None})
 
     async def _server_info(self, request: web.Request) -> web.Response:
-        self.calls.append(("server_info", {}))
+        self._record("server_info", {})
         # SGLang's answer is the resolved server args, the API key included
         return web.json_response({"tp_size": self.tp_size, "dp_size": 1, "pp_size": 1,
                                   "api_key": self.api_key, "skip_tokenizer_init": True})
@@ -208,7 +215,7 @@ class FakeSGLangServer:
             body = await request.json() if request.can_read_body else {}
         except ValueError:
             return web.json_response(rules.Rejected("pydantic", "invalid JSON").body, status=400)
-        self.calls.append((name, body))
+        self._record(name, body)
         try:
             rules.check_control(name, body)
         except rules.Rejected as rej:
@@ -308,9 +315,17 @@ class FakeSGLangServer:
 
     def _log_served(self) -> None:
         if self.served_state:
-            self.calls.append(("served", {"version": self.engine.weight_version(),
-                                          "digest": state_digest(self.served_state.items()),
-                                          "receiver": getattr(self.receiver, "kind", None)}))
+            self._record("served", {"version": self.engine.weight_version(),
+                                    "digest": state_digest(self.served_state.items()),
+                                    "receiver": getattr(self.receiver, "kind", None)})
+
+    def _record(self, name: str, body: dict) -> None:
+        with self._log_lock:
+            self.calls.append((name, body))
+            if self.call_log_fd is not None and name != "generate":
+                line = orjson.dumps({"call": name, "body": body},
+                                    option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
+                os.write(self.call_log_fd, line)
 
     def served_digest(self) -> str:
         return state_digest(self.served_state.items())
@@ -321,7 +336,7 @@ class FakeSGLangServer:
         except orjson.JSONDecodeError:
             return web.json_response(rules.Rejected("pydantic", "invalid JSON").body, status=400)
         self.num_generate += 1
-        self.calls.append(("generate", body))
+        self._record("generate", body)
         fault = self.fault_fn(body, self.num_generate) if self.fault_fn else None
         fault = fault or Fault()
         while self.paused:
@@ -559,6 +574,8 @@ def main(argv=None) -> None:
         from sglang_receiver import make_receiver
 
         server.receiver = make_receiver("sglang")
+    if args.log_file:  # before the server answers anything
+        server.call_log_fd = os.open(args.log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     server.start()
     tmp = args.port_file + ".tmp"
     with open(tmp, "w") as f:
@@ -567,17 +584,8 @@ def main(argv=None) -> None:
     print(f"fake SGLang server on {server.url}", flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *a: stop.set())
-    seen = 0
 
     def flush():
-        nonlocal seen
-        if args.log_file and len(server.calls) > seen:
-            with open(args.log_file, "a") as f:
-                for name, body in server.calls[seen:]:
-                    if name != "generate":
-                        f.write(orjson.dumps({"call": name, "body": body},
-                                             option=orjson.OPT_SERIALIZE_NUMPY).decode() + "\n")
-            seen = len(server.calls)
         if args.log_file:  # /generate requests are counted, not logged (they are many)
             with open(args.log_file + ".generate.tmp", "w") as f:
                 f.write(str(server.num_generate))

@@ -26,6 +26,7 @@ import time
 
 import pytest
 
+from tests.bridge.fake_proc import read_call_log
 from tests.e2e._launch import ROOT, launch
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
@@ -77,11 +78,7 @@ class _Server:
             self.url = f"http://127.0.0.1:{int(f.read())}"
 
     def calls(self):
-        time.sleep(0.5)  # the server flushes its call log every 0.2 s
-        if not os.path.exists(self.log_file):
-            return []
-        with open(self.log_file) as f:
-            return [json.loads(line) for line in f]
+        return read_call_log(self.log_file)  # each call is logged before it is answered
 
     def stop(self):
         self.proc.terminate()

@@ -25,11 +25,13 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+PAGED_STASH = "megatron.core.transformer.moe.ops.paged_stash"  # megatron_pdm/triton_stub.py
 
 # unit -> units it may import (besides itself). "face" is megatron_pdm/__init__.
-PURE = {"configtree", "arch", "layout", "config", "cli"}
+PURE = {"configtree", "arch", "layout", "config", "cli", "triton_stub"}
 ALLOWED = {
-    "face": {"ops", "parallel", "loss", "config"},
+    "face": {"ops", "parallel", "loss", "config", "triton_stub"},
+    "triton_stub": set(),
     "configtree": set(),
     "arch": {"configtree"},
     "layout": {"arch", "configtree"},
@@ -39,7 +41,8 @@ ALLOWED = {
     "ops": set(),
     "parallel": {"ops"},
     "loss": {"ops", "config", "configtree", "metrics"},
-    "mcore": {"ops", "parallel", "loss", "config", "configtree", "metrics", "arch"},
+    "mcore": {"ops", "parallel", "loss", "config", "configtree", "metrics", "arch",
+              "triton_stub"},
     "convert": {"arch", "configtree", "layout", "mcore", "ops"},
     "analysis": {"ops", "parallel", "loss", "config", "configtree", "metrics", "arch", "mcore",
                  "rollout_bridge", "rb.core", "train", "cli"},
@@ -230,8 +233,9 @@ def test_fresh_import_loads_nothing_above_its_layer(module):
     code = (
         "import sys, importlib\n"
         f"importlib.import_module({module!r})\n"
-        f"bad = sorted(m for m in sys.modules if m in {forbidden!r} or "
-        f"any(m.startswith(f + '.') for f in {forbidden!r}))\n"
+        # the triton stand-in (megatron_pdm/triton_stub.py) is a placeholder, not an import
+        f"bad = sorted(m for m in sys.modules if m != {PAGED_STASH!r} and (m in {forbidden!r} or "
+        f"any(m.startswith(f + '.') for f in {forbidden!r})))\n"
         "assert not bad, bad[:8]\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,

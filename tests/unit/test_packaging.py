@@ -52,3 +52,26 @@ def test_ci_pins_satisfy_the_ranges():
         key = name.replace("_", "-")
         if key in pins:
             assert pins[key] in req.specifier, (name, pins[key], str(req.specifier))
+
+
+def test_ngc_prerelease_builds_satisfy_the_ranges():
+    """An NGC container's torch/megatron-core (pre-release + local label) is kept by pip: pip
+    checks an installed version with pre-releases allowed, so only the bound's value matters."""
+    reqs = _install_requires()
+    for name, version in (("torch", "2.6.0a0+nv25.1"), ("torch", "2.8.0a0+5228986c39.nv25.6"),
+                          ("megatron-core", "0.16.1rc0+nv25.9"), ("megatron-core", "0.19.0rc1")):
+        assert reqs[name].specifier.contains(Version(version), prereleases=True), (name, version)
+    assert not reqs["torch"].specifier.contains(Version("2.5.1"), prereleases=True)
+    assert not reqs["megatron-core"].specifier.contains(Version("0.20.0rc0"), prereleases=True)
+
+
+def test_console_scripts_resolve_to_callables():
+    import importlib
+
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    scripts = next(ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+                   and n.targets[0].id == "CONSOLE_SCRIPTS")
+    assert {s.split("=")[0].strip() for s in scripts} >= {"megatron-pdm-train"}
+    for line in scripts:
+        module, func = line.split("=", 1)[1].strip().split(":")
+        assert callable(getattr(importlib.import_module(module), func)), line

@@ -6,7 +6,8 @@
    last weights (digest-checked), re-draws the lost samples with their own seeds, and the run
    completes with every sample of every iteration; a push that hit the dead server is repeated.
 2. Killed for good with `rollout.vllm.restart_wait_s=0`: the run stops within seconds with an error
-   naming what failed (samples, or the push), never training on a partial batch.
+   naming the server and the call that failed (whichever call the kill hit first: a rollout,
+   a health check, the weight-version check, the push), never training on a partial batch.
 
 This module kills the session's server: it runs last (file order), and `ensure_up` restarts it
 for anything after it.
@@ -23,6 +24,7 @@ import pytest
 
 from tests.e2e._launch import ROOT
 from tests.vllm._common import rows, trainer_process, vllm_overrides
+from tests.vllm._failure import check_no_lost_or_duplicated_sample, clear_server_failure
 from tests.vllm.conftest import START_TIMEOUT_S
 
 pytestmark = [pytest.mark.vllm, pytest.mark.megatron, pytest.mark.slow]
@@ -100,9 +102,11 @@ def test_server_killed_for_good_the_run_fails_clearly(vllm_server, tmp_path):
         log.close()
     took = time.time() - t_kill
     text = open(os.path.join(tmp_path, "trainer.log")).read()
-    assert rc != 0
-    assert "rollout server call failed on rank 0" in text, text[-4000:]
-    assert ("rollout(s) failed: prompt" in text or "weight push" in text
-            or "not healthy" in text), text[-4000:]
-    print(f"\nrun failed {took:.0f} s after the kill")
-    assert len({r["iteration"] for r in rows(out)}) < ITERATIONS
+    assert rc != 0, text[-4000:]
+    # Where the kill lands decides which call fails first (a rollout request, the restart
+    # guard's health check, the weight-version check after the rollouts, the weight push): each
+    # is a correct failure, so the checks are on what matters, not on one phrasing.
+    error = clear_server_failure(text, vllm_server.url)
+    print(f"\nrun failed {took:.0f} s after the kill: {error[:300]}")
+    check_no_lost_or_duplicated_sample(rows(out), samples=PROMPTS * GROUP, minibatches=2,
+                                       iterations=ITERATIONS)
