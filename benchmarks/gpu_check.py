@@ -1,21 +1,26 @@
-"""One prepared GPU check for Qwen3-30B-A3B scale: FP8 slice, TP correctness, op benchmark.
+"""One GPU check for the cluster path, built to survive a bare machine (one GPU, one command).
 
-    python benchmarks/gpu_check.py --out gpu_check.json                 # parts 1 and 3, 1 GPU
-    torchrun --nproc-per-node 2 benchmarks/gpu_check.py --tp-check      # part 2, 2 GPUs (NCCL)
+    bash benchmarks/gpu_check.sh                       # installs the carried wheels, runs this
+    python benchmarks/gpu_check.py --out gpu_check.json             # the check itself (CUDA)
+    python benchmarks/gpu_check.py --smoke --out smoke.json         # tiny sizes on CPU (CI)
 
-1. fp8_slice: megatron GPTModel with the Transformer Engine spec (grouped-GEMM experts) at the
-   real width of Qwen3-30B-A3B (hidden 2048, 32 heads / 4 groups, head dim 128, 128 experts
-   top-8, expert FFN 768, vocab 151936) but `--layers` layers, run under an FP8 recipe
-   (`--fp8-recipe delayed|blockwise`, e4m3): forward, PDM loss (`token_stats` + `policy_loss`,
-   preset pdm-agg) on its logits against a synthetic rollout support, backward; reports time,
-   peak memory and that loss and gradients are finite.
-2. tp_check: `token_stats` on a TP=2 vocab shard (NCCL) against the single-device full-vocab
-   result on the same logits: every statistic and the logits gradient. Also runs on CPU/gloo
-   (tests/gpu/test_gpu_check.py uses that with a small vocabulary).
-3. op_bench: `token_stats` + `policy_loss` forward+backward vs megatron's
-   `vocab_parallel_cross_entropy` on [tokens, 151936] logits (TP=1), median of `--iters`.
+Every part runs in its own subprocess (`--part NAME`) under its own time budget, so a missing
+dependency or a crash skips or fails that part only, with the reason in the JSON; the JSON file is
+rewritten after every part. Parts:
 
-Not run in CI (no GPU); numbers go to examples/qwen3_30b_a3b/README.md ("GPU check") only once measured on a device.
+1. correctness: `token_stats` (fp32 and bf16 logits, V=151936) against the same statistics of
+   the fp64 logits, and the sampled log-probability against an fp64 `log_softmax`.
+2. no_host_sync: the loss adapter's path (`mcore/loss_adapter.policy_loss_func`, validation off
+   as for a validated batch) forward+backward under `torch.cuda.set_sync_debug_mode("error")`.
+3. op_vs_ce: `token_stats`+`policy_loss` forward+backward vs megatron's
+   `vocab_parallel_cross_entropy` (validation off): median time and peak memory, N in
+   {8192, 32768}, V in {151936, 37984 (a TP4 shard)}, bf16 and fp32, the ratio in the same run.
+4. optimizer_step: one bf16 optimizer step of a 2-layer full-width Qwen3-30B-A3B slice through the
+   driver's own functions (mcore.parallel.init_parallel, mcore.model, mcore.optimizer,
+   train.schedule.optimizer_step with mcore.loss_adapter.make_loss_func).
+
+`--smoke` runs the same parts with tiny sizes on the CPU (tests/unit/test_gpu_check_parts.py);
+parts that need CUDA report "skipped" there.
 """
 
 from __future__ import annotations
@@ -23,255 +28,353 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
-import torch
-import torch.distributed as dist
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import megatron_pdm as pdm  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
 V_QWEN3 = 151936
+V_TP4_SHARD = 37984  # 151936 padded to 151936 (a multiple of 128*4) / 4
+
+# part -> (seconds allowed on a GPU, seconds allowed in smoke mode); the sum stays well inside 8 min
+BUDGET_S = {"correctness": (60, 120), "no_host_sync": (60, 120), "op_vs_ce": (150, 180),
+            "optimizer_step": (150, 240)}
 
 
-def synthetic_rollout(logits_nv: torch.Tensor, top_k: int, vocab_size: int, seed: int = 0):
+class Skip(Exception):
+    """A part that cannot run here (the reason goes to the JSON)."""
+
+
+def _sizes(smoke: bool) -> dict:
+    if smoke:
+        return dict(device="cpu", vocab=1000, tokens=16, bench_tokens=(32,), bench_vocab=(1000, 250),
+                    iters=2, seq_len=16)
+    return dict(device="cuda", vocab=V_QWEN3, tokens=2048, bench_tokens=(8192, 32768),
+                bench_vocab=(V_QWEN3, V_TP4_SHARD), iters=5, seq_len=2048)
+
+
+def synthetic_rollout(logits_nv, top_k: int, vocab_size: int, seed: int = 0) -> dict:
     """Support = behavior top-K of perturbed logits with the sampled token folded in at slot 0."""
+    import torch
+
     gen = torch.Generator(device="cpu").manual_seed(seed)
     n = logits_nv.shape[0]
-    noise = torch.randn(logits_nv.shape, generator=gen).to(logits_nv.device)
+    dev = logits_nv.device
+    noise = torch.randn(logits_nv.shape, generator=gen).to(dev)
     behavior = (logits_nv.detach().float() + 0.1 * noise)[:, :vocab_size].log_softmax(-1)
-    # Gumbel-max sampling from the seeded CPU generator: identical on every rank
-    uniform = torch.rand(behavior.shape, generator=gen).clamp_min(1e-20).to(behavior.device)
+    uniform = torch.rand(behavior.shape, generator=gen).clamp_min(1e-20).to(dev)
     sampled_n = (behavior - (-uniform.log()).log()).argmax(-1)
     top_nk = behavior.topk(top_k, dim=-1).indices
     support = torch.cat([sampled_n[:, None], top_nk], dim=1)
     dup = top_nk == sampled_n[:, None]
-    valid = torch.cat([torch.ones(n, 1, dtype=torch.bool, device=support.device), ~dup], dim=1)
+    valid = torch.cat([torch.ones(n, 1, dtype=torch.bool, device=dev), ~dup], dim=1)
     support_lp = behavior.gather(1, support)
-    adv_n = torch.randn(n, generator=gen).to(logits_nv.device)
-    return dict(
-        sampled_ids=sampled_n,
-        support_ids=support,
-        support_logprobs=support_lp,
-        support_valid=valid,
-        advantages=adv_n,
-        behavior_logprob=support_lp[:, 0].clone(),
-        loss_mask=torch.ones(n, dtype=torch.bool, device=support.device),
-    )
+    return dict(sampled_ids=sampled_n, support_ids=support, support_logprobs=support_lp,
+                support_valid=valid, advantages=torch.randn(n, generator=gen).to(dev),
+                behavior_logprob=support_lp[:, 0].clone(),
+                loss_mask=torch.ones(n, dtype=torch.bool, device=dev))
 
 
-def pdm_loss(logits_nv, batch, *, tp_group, vocab_size):
-    stats = pdm.token_stats(
-        logits_nv,
-        batch["sampled_ids"],
-        batch["support_ids"],
-        batch["support_logprobs"],
-        batch["support_valid"],
-        tp_group=tp_group,
-        vocab_size=vocab_size,
-    )
-    out = pdm.policy_loss(
-        stats,
-        batch["advantages"],
-        batch["behavior_logprob"],
-        batch["loss_mask"],
-        pdm.PolicyLossConfig.preset("pdm-agg"),
-    )
+def _pdm(logits_nv, b: dict, vocab: int, *, validate: bool):
+    import megatron_pdm as pdm
+
+    stats = pdm.token_stats(logits_nv, b["sampled_ids"], b["support_ids"], b["support_logprobs"],
+                            b["support_valid"], tp_group=None, vocab_size=vocab,
+                            validate=validate)
+    out = pdm.policy_loss(stats, b["advantages"], b["behavior_logprob"], b["loss_mask"],
+                          pdm.PolicyLossConfig.preset("pdm-agg"))
     return stats, out
 
 
-def fp8_slice(layers: int, seq_len: int, recipe: str) -> dict:
-    """Reduced-depth Qwen3-30B-A3B under TE FP8: forward, PDM loss, backward (one GPU)."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+# ---------------------------------------------------------------- parts (each in a subprocess)
 
-    from megatron_pdm.arch import Qwen3MoeArch
-    from megatron_pdm.mcore.model import build_model, transformer_config
+def part_correctness(sz: dict) -> dict:
+    import torch
 
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29517")
-        dist.init_process_group("nccl", rank=0, world_size=1)
-    ps.initialize_model_parallel(1, 1)
-    model_parallel_cuda_manual_seed(1234)
-    arch = Qwen3MoeArch.qwen3_30b_a3b()
-    arch.num_layers = layers
-    config = transformer_config(
-        arch,
-        params_dtype=torch.bfloat16,
-        bf16=True,
-        use_cpu_initialization=False,
-        fp8="e4m3",
-        fp8_recipe=recipe,
-        moe_grouped_gemm=True,
-        moe_token_dispatcher_type="alltoall",
-    )
-    model = build_model(arch, config, use_te=True).cuda()
-    ids = torch.randint(0, arch.vocab_size, (1, seq_len), device="cuda")
-    pos = torch.arange(seq_len, device="cuda")[None]
-    torch.cuda.reset_peak_memory_stats()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    logits_bsv = model(ids, pos, None)
-    logits_nv = logits_bsv.reshape(seq_len, -1)
-    batch = synthetic_rollout(logits_nv, top_k=20, vocab_size=arch.vocab_size)
-    _, out = pdm_loss(logits_nv, batch, tp_group=None, vocab_size=arch.vocab_size)
-    loss_sum, num_tokens, _ = out
-    (loss_sum / num_tokens).backward()
-    torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
-    grads_finite = all(
-        torch.isfinite(
-            p.main_grad if hasattr(p, "main_grad") and p.main_grad is not None else p.grad
-        )
-        .all()
-        .item()
-        for p in model.parameters()
-        if p.grad is not None
-    )
-    ps.destroy_model_parallel()
-    return {
-        "layers": layers,
-        "seq_len": seq_len,
-        "fp8_recipe": recipe,
-        "loss": (loss_sum / num_tokens).item(),
-        "loss_finite": bool(torch.isfinite(loss_sum)),
-        "grads_finite": grads_finite,
-        "fwd_bwd_s": seconds,
-        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
-    }
-
-
-def tp_check(vocab: int, tokens: int, device: str) -> dict:
-    """token_stats on this rank's vocab shard vs the full-vocab single-device reference.
-
-    Call on every rank of a 2-rank group; returns max abs differences (rank 0 meaningful).
-    """
-    rank, world = dist.get_rank(), dist.get_world_size()
     gen = torch.Generator().manual_seed(0)
-    v_pad = -(-vocab // (128 * world)) * 128 * world
-    full_nv = (3 * torch.randn(tokens, v_pad, generator=gen)).to(device)
-    batch = synthetic_rollout(full_nv, top_k=8, vocab_size=vocab)
-    ref_logits = full_nv.clone().requires_grad_(True)
-    ref_stats, ref_out = pdm_loss(ref_logits, batch, tp_group=None, vocab_size=vocab)
-    ref_out[0].backward()
-    v_local = v_pad // world
-    shard = full_nv[:, rank * v_local : (rank + 1) * v_local].clone().requires_grad_(True)
-    stats, out = pdm_loss(shard, batch, vocab_size=vocab, tp_group=dist.group.WORLD)
-    out[0].backward()
-    diffs = {
-        "loss": (out[0] - ref_out[0]).abs().item(),
-        "grad": (shard.grad - ref_logits.grad[:, rank * v_local : (rank + 1) * v_local])
-        .abs()
-        .max()
-        .item(),
-    }
-    for name, value in vars(stats).items():
-        ref = getattr(ref_stats, name)
-        if torch.is_tensor(value) and value.is_floating_point():
-            finite = torch.isfinite(ref)
-            if not torch.equal(finite, torch.isfinite(value)):
-                diffs[name] = float("inf")
-            else:
-                diffs[name] = (
-                    (value[finite] - ref[finite]).abs().max().item() if finite.any() else 0.0
-                )
-    worst = torch.tensor([max(diffs.values())], device=device)
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    return {
-        "world": world,
-        "vocab": vocab,
-        "tokens": tokens,
-        "max_abs_diff": diffs,
-        "worst": worst.item(),
-    }
+    base_nv = (3 * torch.randn(sz["tokens"], sz["vocab"], generator=gen, dtype=torch.float64))
+    base_nv = base_nv.to(sz["device"])
+    batch = synthetic_rollout(base_nv, top_k=20, vocab_size=sz["vocab"])
+    ref_stats, _ = _pdm(base_nv, batch, sz["vocab"], validate=True)
+    lp_ref = base_nv.log_softmax(-1).gather(1, batch["sampled_ids"][:, None])[:, 0]
+    out = {"tokens": sz["tokens"], "vocab": sz["vocab"]}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        x = base_nv.to(dtype)
+        stats, _ = _pdm(x, batch, sz["vocab"], validate=True)
+        # the reference of a rounded input is the fp64 statistics of that rounded input
+        ref_x, _ = _pdm(x.double(), batch, sz["vocab"], validate=True)
+        diffs = {}
+        for field, value in vars(stats).items():
+            ref = getattr(ref_x, field)
+            if torch.is_tensor(value) and value.is_floating_point():
+                finite = torch.isfinite(ref)
+                same = torch.equal(finite, torch.isfinite(value))
+                diffs[field] = ((value.double()[finite] - ref[finite]).abs().max().item()
+                                if same and finite.any() else (0.0 if same else float("inf")))
+        lp_x = x.double().log_softmax(-1).gather(1, batch["sampled_ids"][:, None])[:, 0]
+        diffs["logprob_vs_log_softmax"] = (stats.logprob.double() - lp_x).abs().max().item()
+        out[name] = {"max_abs_diff": diffs, "worst": max(diffs.values())}
+    out["fp64_logprob_vs_log_softmax"] = (ref_stats.logprob - lp_ref).abs().max().item()
+    return out
 
 
-def op_bench(tokens: int, iters: int) -> dict:
-    """PDM op vs megatron vocab_parallel_cross_entropy at V=151936, fwd+bwd, TP=1."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+def part_no_host_sync(sz: dict) -> dict:
+    import torch
 
-    if not ps.model_parallel_is_initialized():
-        if not dist.is_initialized():
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", "29518")
-            dist.init_process_group("nccl", rank=0, world_size=1)
-        ps.initialize_model_parallel(1, 1)
+    if sz["device"] != "cuda" or not torch.cuda.is_available():
+        raise Skip("torch.cuda.set_sync_debug_mode needs a CUDA device")
+    from megatron_pdm.config import PolicyLossConfig
+    from megatron_pdm.mcore.loss_adapter import policy_loss_func
+
+    b, s = 2, sz["tokens"] // 2
     gen = torch.Generator().manual_seed(0)
-    logits = (3 * torch.randn(tokens, V_QWEN3, generator=gen)).to("cuda", torch.bfloat16)
-    batch = synthetic_rollout(logits, top_k=20, vocab_size=V_QWEN3)
-
-    def run_pdm():
-        x = logits.detach().requires_grad_(True)
-        _, out = pdm_loss(x, batch, tp_group=None, vocab_size=V_QWEN3)
-        out[0].backward()
-
-    def run_ce():
-        x = logits.detach().requires_grad_(True)
-        loss = vocab_parallel_cross_entropy(x.float()[:, None], batch["sampled_ids"][:, None])
-        loss.sum().backward()
-
-    result = {"tokens": tokens, "vocab": V_QWEN3, "dtype": "bf16"}
-    for name, fn in (("pdm_fwd_bwd_ms", run_pdm), ("megatron_ce_fwd_bwd_ms", run_ce)):
-        fn()  # warm-up
-        times = []
-        for _ in range(iters):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            times.append((time.perf_counter() - t0) * 1e3)
-        result[name] = sorted(times)[len(times) // 2]
-    result["ratio_pdm_over_ce"] = result["pdm_fwd_bwd_ms"] / result["megatron_ce_fwd_bwd_ms"]
-    return result
-
-
-def gpu_check(
-    out: str, *, layers: int, seq_len: int, recipe: str, tokens: int, iters: int, tp_only: bool
-) -> dict:
-    """Run the parts this launch supports and write them as json to `out` (rank 0)."""
-    results: dict = {
-        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    }
-    if tp_only:
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        device = "cpu"
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-            device = "cuda"
-        results["tp_check"] = tp_check(V_QWEN3, 256, device)
-        if dist.get_rank() != 0:
-            return results
-    else:
-        if not torch.cuda.is_available():
-            raise SystemExit("gpu_check: no CUDA device (parts 1 and 3 need one GPU)")
-        results["fp8_slice"] = fp8_slice(layers, seq_len, recipe)
-        results["op_bench"] = op_bench(tokens, iters)
-    Path(out).write_text(json.dumps(results, indent=2) + "\n")
+    logits_bsv = (3 * torch.randn(b, s, sz["vocab"], generator=gen)).to("cuda")
+    flat = synthetic_rollout(logits_bsv.reshape(b * s, -1), top_k=20, vocab_size=sz["vocab"])
+    batch = SimpleNamespace(
+        labels=flat["sampled_ids"].reshape(b, s), loss_mask=flat["loss_mask"].reshape(b, s),
+        behavior_logprob=flat["behavior_logprob"].reshape(b, s),
+        support_ids=flat["support_ids"].reshape(b, s, -1),
+        support_logprobs=flat["support_logprobs"].reshape(b, s, -1),
+        support_valid=flat["support_valid"].reshape(b, s, -1),
+        advantages=flat["advantages"].reshape(b, s),
+        seq_ids=torch.arange(b, device="cuda")[:, None].expand(b, s).contiguous(),
+        temperature=1.0, vocab_size=sz["vocab"], validated=True)
+    cfg = PolicyLossConfig.preset("pdm-agg")
+    results = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        x = logits_bsv.to(dtype).requires_grad_(True)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            loss_sum, num_tokens, _ = policy_loss_func(x, batch=batch, cfg=cfg, tp_group=None,
+                                                       inplace=False)
+            loss_sum.backward()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        results[name] = {"host_syncs": 0, "loss_finite": bool(torch.isfinite(loss_sum).item())}
     return results
 
 
+def _median_ms_and_peak(fn, iters: int, cuda: bool) -> tuple[float, float | None]:
+    import torch
+
+    fn()  # warm-up
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    times = []
+    for _ in range(iters):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if cuda else None
+    return sorted(times)[len(times) // 2], peak
+
+
+def part_op_vs_ce(sz: dict) -> dict:
+    import torch
+
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy  # Skip if absent
+
+    from megatron_pdm.mcore.parallel import init_parallel
+
+    _single_rank_env()
+    init_parallel(tp=1, ep=1, pp=1)
+    cuda = sz["device"] == "cuda"
+    rows = []
+    for tokens in sz["bench_tokens"]:
+        for vocab in sz["bench_vocab"]:
+            for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+                gen = torch.Generator().manual_seed(0)
+                logits = (3 * torch.randn(tokens, vocab, generator=gen)).to(sz["device"], dtype)
+                batch = synthetic_rollout(logits, top_k=20, vocab_size=vocab)
+
+                def run_pdm():
+                    x = logits.detach().requires_grad_(True)
+                    _, out = _pdm(x, batch, vocab, validate=False)
+                    out[0].backward()
+
+                def run_ce():
+                    x = logits.detach().requires_grad_(True)
+                    vocab_parallel_cross_entropy(x[:, None], batch["sampled_ids"][:, None]
+                                                 ).sum().backward()
+
+                pdm_ms, pdm_gib = _median_ms_and_peak(run_pdm, sz["iters"], cuda)
+                ce_ms, ce_gib = _median_ms_and_peak(run_ce, sz["iters"], cuda)
+                rows.append({"tokens": tokens, "vocab": vocab, "dtype": name,
+                             "pdm_ms": pdm_ms, "ce_ms": ce_ms, "ratio_time": pdm_ms / ce_ms,
+                             "pdm_peak_gib": pdm_gib, "ce_peak_gib": ce_gib,
+                             "ratio_memory": (pdm_gib / ce_gib) if cuda and ce_gib else None})
+                del logits, batch
+    return {"rows": rows, "iters": sz["iters"], "validate": False}
+
+
+def part_optimizer_step(sz: dict) -> dict:
+    import torch
+
+    from megatron_pdm.arch import Qwen3MoeArch
+    from megatron_pdm.config import PolicyLossConfig
+    from megatron_pdm.mcore import optimizer as mopt
+    from megatron_pdm.mcore.loss_adapter import make_loss_func
+    from megatron_pdm.mcore.model import build_model, transformer_config
+    from megatron_pdm.mcore.parallel import init_parallel
+    from megatron_pdm.train.schedule import optimizer_step
+
+    smoke = sz["device"] == "cpu"
+    _single_rank_env()
+    init_parallel(tp=1, ep=1, pp=1)
+    arch = Qwen3MoeArch(vocab_size=1000) if smoke else Qwen3MoeArch.qwen3_30b_a3b()
+    arch.num_layers = 2
+    dtype = dict(params_dtype=torch.float32) if smoke else dict(params_dtype=torch.bfloat16,
+                                                                bf16=True)
+    config = transformer_config(arch, calculate_per_token_loss=True, **dtype)
+    model = build_model(arch, config)
+    ddp = mopt.wrap_ddp(model, config, use_distributed_optimizer=True)
+    from megatron.core.distributed import finalize_model_grads
+
+    config.finalize_model_grads_func = finalize_model_grads
+    opt = mopt.build_optimizer(ddp, lr=1e-6, weight_decay=0.1, clip_grad=1.0,
+                               use_distributed_optimizer=True,
+                               params_dtype="fp32" if smoke else "bf16")
+    dev = next(p for p in model.parameters()).device
+    s = sz["seq_len"]
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, arch.vocab_size, (1, s), generator=gen).to(dev)
+    fake_logits = torch.randn(s, arch.vocab_size, generator=gen).to(dev)
+    flat = synthetic_rollout(fake_logits, top_k=20, vocab_size=arch.vocab_size)
+    mb = SimpleNamespace(
+        tokens=tokens, position_ids=torch.arange(s, device=dev)[None],
+        labels=flat["sampled_ids"][None], loss_mask=flat["loss_mask"][None],
+        behavior_logprob=flat["behavior_logprob"][None], support_ids=flat["support_ids"][None],
+        support_logprobs=flat["support_logprobs"][None],
+        support_valid=flat["support_valid"][None], advantages=flat["advantages"][None],
+        seq_ids=torch.zeros(1, s, dtype=torch.long, device=dev), temperature=1.0,
+        vocab_size=arch.vocab_size, validated=False)
+    before = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+    cuda = dev.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    store, grad_norm = optimizer_step(ddp, opt, [mb], lambda m: make_loss_func(
+        m, PolicyLossConfig.preset("pdm-agg")), pp=1)
+    if cuda:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    changed = sum(int(not torch.equal(before[n], p.detach().float()))
+                  for n, p in model.named_parameters())
+    return {"layers": arch.num_layers, "hidden_size": arch.hidden_size,
+            "num_experts": arch.num_experts, "vocab": arch.vocab_size, "seq_len": s,
+            "params_dtype": "fp32" if smoke else "bf16", "device": str(dev),
+            "grad_norm": grad_norm, "grad_norm_finite": grad_norm == grad_norm and
+            abs(grad_norm) != float("inf"), "params_changed": changed,
+            "params_total": len(before), "step_s": seconds,
+            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
+
+
+PARTS = {"correctness": part_correctness, "no_host_sync": part_no_host_sync,
+         "op_vs_ce": part_op_vs_ce, "optimizer_step": part_optimizer_step}
+
+
+def _single_rank_env() -> None:
+    """torch.distributed env for a one-process world (a free port on loopback: one machine)."""
+    if "MASTER_PORT" not in os.environ:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("WORLD_SIZE", "1"),
+                       ("LOCAL_RANK", "0")):
+        os.environ.setdefault(key, value)
+
+
+def run_part(name: str, smoke: bool) -> dict:
+    """Runs one part in this process: {"status": ok|skipped|failed, "reason", "result"}."""
+    try:
+        return {"status": "ok", "result": PARTS[name](_sizes(smoke))}
+    except Skip as why:
+        return {"status": "skipped", "reason": str(why)}
+    except ImportError as err:  # a dependency missing on this machine skips this part only
+        return {"status": "skipped", "reason": f"missing dependency: {err}"}
+    except Exception as err:  # noqa: BLE001 - the reason goes to the JSON, other parts go on
+        return {"status": "failed", "reason": f"{type(err).__name__}: {err}"}
+
+
+def _environment() -> dict:
+    env = {"python": sys.version.split()[0]}
+    try:
+        import torch
+
+        env.update(torch=torch.__version__, torch_cuda=torch.version.cuda,
+                   cuda_available=torch.cuda.is_available())
+        if torch.cuda.is_available():
+            env.update(device=torch.cuda.get_device_name(0),
+                       capability=list(torch.cuda.get_device_capability(0)))
+            try:
+                env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+            except Exception as err:  # noqa: BLE001
+                env["nccl"] = f"unknown ({err})"
+    except ImportError as err:
+        env["torch"] = f"missing: {err}"
+    try:
+        from importlib.metadata import version
+
+        env["megatron_core"] = version("megatron-core")
+    except Exception:  # noqa: BLE001
+        env["megatron_core"] = None
+    return env
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="gpu_check.json")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU (CI)")
+    p.add_argument("--parts", default=",".join(PARTS), help="comma-separated subset")
+    p.add_argument("--part", default=None, help=argparse.SUPPRESS)  # child: one part to stdout
+    args = p.parse_args(argv)
+    if args.part:
+        print(json.dumps(run_part(args.part, args.smoke)))
+        return 0
+    out = Path(args.out)
+    report = {"mode": "smoke" if args.smoke else "gpu", "environment": _environment(),
+              "parts": {}}
+    wanted = [n.strip() for n in args.parts.split(",") if n.strip()]
+    unknown = [n for n in wanted if n not in PARTS]
+    if unknown:
+        p.error(f"--parts: unknown {unknown}, choose from {list(PARTS)}")
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for name in wanted:
+        budget = BUDGET_S[name][1 if args.smoke else 0]
+        t0 = time.perf_counter()
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--part", name]
+        cmd += ["--smoke"] if args.smoke else []
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=budget)
+            lines = proc.stdout.strip().splitlines()
+            try:
+                entry = json.loads(lines[-1])
+            except (IndexError, json.JSONDecodeError):
+                entry = {"status": "failed",
+                         "reason": f"exit code {proc.returncode}: {proc.stderr[-2000:]}"}
+        except subprocess.TimeoutExpired:
+            entry = {"status": "failed", "reason": f"over its budget of {budget} s"}
+        entry["seconds"] = round(time.perf_counter() - t0, 2)
+        entry["budget_s"] = budget
+        report["parts"][name] = entry
+        out.write_text(json.dumps(report, indent=2) + "\n")  # after every part
+        print(f"gpu_check: {name}: {entry['status']} ({entry['seconds']} s)"
+              + (f": {entry['reason'][:300]}" if "reason" in entry else ""), flush=True)
+    return 0 if all(e["status"] != "failed" for e in report["parts"].values()) else 1
+
+
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", default="gpu_check.json")
-    parser.add_argument("--layers", type=int, default=2, help="depth of the Qwen3-30B-A3B slice")
-    parser.add_argument("--seq-len", type=int, default=4096)
-    parser.add_argument("--fp8-recipe", default="blockwise", choices=["blockwise", "delayed"])
-    parser.add_argument("--tokens", type=int, default=4096, help="op benchmark rows")
-    parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--tp-check", action="store_true", help="part 2 only (under torchrun)")
-    args = parser.parse_args()
-    res = gpu_check(
-        args.out,
-        layers=args.layers,
-        seq_len=args.seq_len,
-        recipe=args.fp8_recipe,
-        tokens=args.tokens,
-        iters=args.iters,
-        tp_only=args.tp_check,
-    )
-    print(json.dumps(res, indent=2))
+    sys.exit(main())

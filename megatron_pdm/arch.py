@@ -208,3 +208,47 @@ class Qwen3MoeArch:
             "initializer_range": self.init_method_std,
             "router_aux_loss_coef": self.moe_aux_loss_coeff,
         }
+
+
+# ---------------------------------------------------------------------- printer (cluster scripts)
+
+_PRESETS = {"qwen3-30b-a3b": Qwen3MoeArch.qwen3_30b_a3b}
+# megatron-style flag of each field (the flags Megatron-LM's pretrain_gpt takes for the same value)
+_MEGATRON_FLAGS = {
+    "num_layers": "--num-layers", "hidden_size": "--hidden-size",
+    "num_attention_heads": "--num-attention-heads", "num_query_groups": "--num-query-groups",
+    "head_dim": "--kv-channels", "num_experts": "--num-experts",
+    "moe_router_topk": "--moe-router-topk", "moe_ffn_hidden_size": "--moe-ffn-hidden-size",
+    "rotary_base": "--rotary-base", "norm_epsilon": "--norm-epsilon",
+    "max_position_embeddings": "--max-position-embeddings", "vocab_size": "--vocab-size",
+    "make_vocab_size_divisible_by": "--make-vocab-size-divisible-by",
+}
+
+
+def format_arch(arch: Qwen3MoeArch, fmt: str) -> str:
+    """`shell`: ARCH_<FIELD>=value lines; `flags`: megatron-style flags, one token per line."""
+    data = arch.to_dict()
+    if fmt == "shell":
+        return "\n".join(f"ARCH_{k.upper()}={v}" for k, v in data.items())
+    if fmt == "flags":
+        tokens = []
+        for name, flag in _MEGATRON_FLAGS.items():
+            value = data[name]
+            tokens += [flag, str(int(value) if name == "rotary_base" else value)]
+        tokens += ["--group-query-attention", "--qk-layernorm", "--normalization", "RMSNorm",
+                   "--swiglu", "--disable-bias-linear", "--position-embedding-type", "rope",
+                   "--untie-embeddings-and-output-weights", "--moe-router-score-function",
+                   "softmax", "--moe-router-dtype", "fp32"]
+        return "\n".join(tokens)
+    raise ConfigError(f"--format {fmt!r}: choose shell or flags")
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m megatron_pdm.arch",
+                                     description="print a preset architecture")
+    parser.add_argument("preset", choices=sorted(_PRESETS))
+    parser.add_argument("--format", default="shell", choices=["shell", "flags"])
+    cli = parser.parse_args()
+    print(format_arch(_PRESETS[cli.preset](), cli.format))

@@ -9,8 +9,13 @@
 #   carries 128x128 block scales instead (rollout.fp8_scales=block128).
 #   Weights are refreshed by the trainer each iteration (train_pdm.sh WEIGHT_SYNC).
 # Access: the weight-update and pause routes let whoever reaches a server replace the policy.
-#   Every server requires PDM_SGLANG_API_KEY (--api-key; the trainer sends it) and binds to HOST
+#   Every server requires PDM_SGLANG_API_KEY (the trainer sends it) and binds to HOST
 #   (default loopback; set it to this node's private interface, never a public one).
+# The key never reaches a command line or a log: sglang 0.5.22-0.5.23 has no environment variable
+#   for it, so it goes into a YAML file read by `--config` (mode 600, removed when this script
+#   exits; sglang merges it into its arguments in-process, so `ps` shows only the file's path);
+#   sglang logs its whole `server_args` (api_key included) at INFO (sglang/srt/entrypoints/engine.py),
+#   so every server's output passes through a filter that replaces the key with <redacted>.
 # The trainer sends token ids (no tokenizer on the server: --skip-tokenizer-init) and asks for
 #   top-K logprobs (rollout.top_logprobs in pdm.yaml), so the returned logprobs are over the full vocab.
 set -euo pipefail
@@ -26,6 +31,21 @@ LOG_DIR="${LOG_DIR:-runs/qwen3_30b_a3b_pdm/sglang}"
 HOST="${HOST:-127.0.0.1}"
 : "${PDM_SGLANG_API_KEY:?set PDM_SGLANG_API_KEY (the servers refuse every request without it)}"
 mkdir -p "${LOG_DIR}"
+
+# the key, out of argv: a private YAML file for sglang's --config (removed on exit)
+KEY_DIR="$(mktemp -d)"
+chmod 700 "${KEY_DIR}"
+KEY_FILE="${KEY_DIR}/api_key.yaml"
+(umask 077 && PYTHONPATH= python -c 'import json, os
+print("api-key: " + json.dumps(os.environ["PDM_SGLANG_API_KEY"]))' > "${KEY_FILE}")
+# the key, out of the logs: every line of server output with the key replaced
+redact() {
+    PYTHONPATH= python -u -c 'import os, sys
+key = os.environ["PDM_SGLANG_API_KEY"]
+for line in sys.stdin:
+    sys.stdout.write(line.replace(key, "<redacted>"))
+    sys.stdout.flush()'
+}
 
 # model and parallelism: same architecture as model.sh; experts spread over EP ranks
 MODEL_ARGS=(
@@ -46,11 +66,13 @@ pids=()
 for ((i = 0; i < ENGINES; i++)); do
     port=$((BASE_PORT + i))
     python -m sglang.launch_server "${MODEL_ARGS[@]}" "${PRECISION_ARGS[@]}" \
-        "${SERVING_ARGS[@]}" --api-key "${PDM_SGLANG_API_KEY}" --host "${HOST}" --port "${port}" \
-        > "${LOG_DIR}/server_${port}.log" 2>&1 &
+        "${SERVING_ARGS[@]}" --config "${KEY_FILE}" --host "${HOST}" --port "${port}" \
+        > >(redact > "${LOG_DIR}/server_${port}.log") 2>&1 &
     pids+=("$!")
     echo "SGLang server ${i}: http://${HOST}:${port} (pid $!)"
 done
 # stop only the servers started here, by pid
 trap 'kill "${pids[@]}" 2>/dev/null || true' INT TERM
+trap 'rm -rf "${KEY_DIR}"' EXIT
 wait "${pids[@]}"
+wait  # the log filters (process substitutions) flush before exit

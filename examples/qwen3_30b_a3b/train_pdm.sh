@@ -25,11 +25,18 @@ set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "${HERE}/model.sh"
+# this node's first non-loopback address (the default MASTER_ADDR of a one-node run)
+node_address() {
+    local addr
+    addr="$( { hostname -I 2>/dev/null || true; } | tr " " "\n" | grep -v -e "^127\." -e "^$" | head -n 1 || true)"
+    echo "${addr:-$(hostname)}"
+}
 
 NNODES="${NNODES:-2}"
 NODE_RANK="${NODE_RANK:-0}"
 GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
-MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
+MASTER_ADDR_GIVEN="${MASTER_ADDR:-}"
+MASTER_ADDR="${MASTER_ADDR:-$(node_address)}"
 MASTER_PORT="${MASTER_PORT:-29500}"
 TP="${TP:-4}"
 EP="${EP:-8}"
@@ -85,6 +92,69 @@ LOSS_ARGS=(
 MEMORY_ARGS=(
     --set train.recompute=full
 )
+
+# environment Megatron and TE read: CUDA_DEVICE_MAX_CONNECTIONS=1 keeps the TP/SP collectives
+# ordered ahead of the GEMMs they overlap with (megatron/core/tensor_parallel/layers.py warns
+# without it under sequence parallelism; distributed_data_parallel.py relies on it for overlap)
+export CUDA_DEVICE_MAX_CONNECTIONS=1
+FP8_RECIPE=""
+for arg in "${PRECISION_ARGS[@]}"; do
+    [[ "${arg}" == precision.fp8_recipe=* ]] && FP8_RECIPE="${arg#*=}"
+done
+if [[ " ${PRECISION_ARGS[*]} " == *" precision.fp8=e4m3 "* || " ${PRECISION_ARGS[*]} " == *" precision.fp8=hybrid "* ]]; then
+    # blockwise on Hopper: FP32 (not power-of-2) block scales, the layout the rollout quantiser
+    # writes; TE's blockwise emulation on Blackwell needs power-of-2 scales (set it to 0 there)
+    if [[ "${FP8_RECIPE}" == "blockwise" ]]; then
+        export NVTE_FP8_BLOCK_SCALING_FP32_SCALES="${NVTE_FP8_BLOCK_SCALING_FP32_SCALES:-1}"
+    fi
+    # refuse a recipe this node's GPU or torch build cannot run, before any rendezvous
+    # (megatron_pdm.mcore.fp8.check_fp8_recipe when the package has it, else the same rule inline)
+    if [[ -z "${SKIP_GPU_CHECKS:-}" ]] && ! [[ " $* " == *" --dry-run "* ]]; then
+        FP8_RECIPE="${FP8_RECIPE}" "${PYTHON:-python3}" - <<'PY' || exit 2
+import os, sys
+import torch
+recipe = os.environ["FP8_RECIPE"]
+if not torch.cuda.is_available():
+    sys.exit(f"FP8 recipe {recipe}: no CUDA device on this node")
+cap, cuda = torch.cuda.get_device_capability(), torch.version.cuda or "0.0"
+try:
+    from megatron_pdm.mcore.fp8 import check_fp8_recipe
+except ImportError:
+    check_fp8_recipe = None
+if check_fp8_recipe is not None:
+    check_fp8_recipe(recipe, cap, cuda)
+elif recipe == "mxfp8" and cap < (10, 0):
+    sys.exit(f"precision.fp8_recipe=mxfp8 needs compute capability >= 10.0 (Blackwell); this GPU "
+             f"is {cap[0]}.{cap[1]}: use blockwise or delayed")
+elif recipe == "blockwise" and tuple(map(int, cuda.split(".")[:2])) < (12, 9):
+    sys.exit(f"precision.fp8_recipe=blockwise needs torch built with CUDA >= 12.9; this torch has "
+             f"CUDA {cuda}: install a cu129+ torch or use delayed")
+PY
+    fi
+fi
+# NCCL: trainer and SGLang servers must run the same NCCL version (the weight-update group
+# aborts otherwise). Printed here; launch_sglang.sh prints the servers' (compare the two logs).
+# With SGLANG_PYTHON (the servers' python, reachable on this node) the two are compared here.
+if ! [[ " $* " == *" --dry-run "* ]]; then
+    NCCL_TRAINER="$("${PYTHON:-python3}" -c 'import torch; print(".".join(map(str, torch.cuda.nccl.version())))' 2>/dev/null || echo unknown)"
+    echo "NCCL (trainer torch): ${NCCL_TRAINER}"
+    if [[ -n "${SGLANG_PYTHON:-}" ]]; then
+        NCCL_SGLANG="$("${SGLANG_PYTHON}" -c 'import torch; print(".".join(map(str, torch.cuda.nccl.version())))' 2>/dev/null || echo unknown)"
+        if [[ "${NCCL_SGLANG}" != "${NCCL_TRAINER}" ]]; then
+            echo "NCCL mismatch: trainer ${NCCL_TRAINER}, SGLang (${SGLANG_PYTHON}) ${NCCL_SGLANG}" >&2
+            exit 2
+        fi
+    fi
+    # MASTER_ADDR: the address every other node and every SGLang server reaches (weight sync)
+    if [[ -z "${MASTER_ADDR_GIVEN}" ]] && ((NNODES > 1)); then
+        echo "set MASTER_ADDR to node 0's address (reachable by every node and SGLang server)" >&2
+        exit 2
+    fi
+    if [[ "${MASTER_ADDR}" == 127.* || "${MASTER_ADDR}" == localhost ]] && ((NNODES > 1)); then
+        echo "MASTER_ADDR=${MASTER_ADDR} is loopback: other nodes and SGLang servers cannot reach it" >&2
+        exit 2
+    fi
+fi
 
 # the megatron-style model flags are informational for the driver (it builds from pdm.yaml's
 # model section, checked against $MCORE_CKPT/pdm_model.json); print them for the log
