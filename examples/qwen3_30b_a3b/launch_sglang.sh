@@ -62,6 +62,10 @@ SERVING_ARGS=(
     --skip-tokenizer-init --mem-fraction-static 0.8 --enable-deterministic-inference
 )
 
+# NCCL: the trainer's weight-update group needs the same NCCL as these servers; the trainer script
+# prints its own version, compare the two lines (docs/cluster.md)
+echo "SGLang NCCL: $(PYTHONPATH= python -c 'import torch; v = torch.cuda.nccl.version(); print(".".join(map(str, v)) if isinstance(v, tuple) else v)' 2>/dev/null || echo unknown)"
+
 pids=()
 for ((i = 0; i < ENGINES; i++)); do
     port=$((BASE_PORT + i))
