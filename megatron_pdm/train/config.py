@@ -15,6 +15,7 @@ overrides a field of it). Only our knobs live here; megatron's own settings are 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -37,9 +38,12 @@ __all__ = [
 ]
 
 
-def _positive(section: str, obj, *names: str, allow_zero: bool = False) -> None:
+def _positive(section: str, obj, *names: str, allow_zero: bool = False,
+              finite: bool = True) -> None:
     for name in names:
         value = getattr(obj, name)
+        if value is not None and finite and not math.isfinite(value):
+            raise ConfigError(f"{section}.{name}={value!r} must be a finite number")
         if value is not None and (value < 0 if allow_zero else value <= 0):
             raise ConfigError(f"{section}.{name}={value!r} must be "
                               f"{'>= 0' if allow_zero else '> 0'}")
@@ -295,6 +299,10 @@ class CheckpointConfig:
     save_interval: int = 25
     """Save every this many iterations (0: only at the end)."""
     keep_last: int = 2
+    """Published checkpoints of this run kept (the highest iterations; 0: all)."""
+    allow_fresh_start: bool = False
+    """A run without --resume in an output_dir that already holds checkpoints moves them to
+    `checkpoints.old-<k>` and starts fresh; false (default): such a start is refused."""
     load_dir: str | None = None
     """Initial weights: a dist checkpoint written by tools/convert_hf_to_megatron.py (with its
     pdm_model.json), loaded at this run's layout. `--resume` from output_dir wins over it."""
@@ -331,6 +339,36 @@ class LogConfig:
         _positive("log", self, "save_rollouts", allow_zero=True)
 
 
+def check_consistency(cfg: RunConfig) -> None:
+    """Rules across sections that need no process group (the world size comes later)."""
+    samples = cfg.rollout.prompts_per_iteration * cfg.rollout.group_size
+    if samples < cfg.train.minibatches_per_iteration:
+        raise ConfigError(
+            f"train.minibatches_per_iteration={cfg.train.minibatches_per_iteration} exceeds the "
+            f"{samples} samples per iteration (rollout.prompts_per_iteration x group_size)")
+    for name in ("weight_decay", "clip_grad"):
+        if not math.isfinite(getattr(cfg.train, name)):
+            raise ConfigError(f"train.{name}={getattr(cfg.train, name)!r} must be finite")
+
+
+def check_world(cfg: RunConfig, world_size: int) -> None:
+    """Rules that need the world size (every rank, before the process group forms)."""
+    from megatron_pdm.arch import min_world_size
+
+    p = cfg.parallel
+    n = min_world_size(tp=p.tp, pp=p.pp, ep=p.ep)
+    if world_size % n:
+        raise ConfigError(f"parallel.tp={p.tp} x pp={p.pp} x ep={p.ep} needs a multiple of "
+                          f"{n} ranks, got WORLD_SIZE={world_size}")
+    dp = world_size // (p.tp * p.pp)
+    per_mb = (cfg.rollout.prompts_per_iteration * cfg.rollout.group_size
+              // cfg.train.minibatches_per_iteration)
+    if per_mb < dp:
+        raise ConfigError(
+            f"{per_mb} samples per minibatch (rollout.prompts_per_iteration x group_size / "
+            f"train.minibatches_per_iteration) is fewer than the {dp} data-parallel ranks")
+
+
 @dataclass(kw_only=True)
 class RunConfig:
     seed: int = 1234
@@ -353,6 +391,7 @@ class RunConfig:
             raise ConfigError(
                 f"parallel.pp={self.parallel.pp} needs a server rollout engine: the local engine "
                 "copy would need a pipeline schedule per decode step (rollout.engine=sglang)")
+        check_consistency(self)
 
     def to_dict(self) -> dict:
         """The resolved tree as plain data (what `save` writes)."""
