@@ -110,6 +110,10 @@ def main(argv=None) -> int:
 
         return dry_run(cfg)
     check_launcher(cfg)
+    if cfg.log.wandb:
+        from megatron_pdm.train.logging_utils import wandb_module
+
+        wandb_module()  # a missing package is a one-line error before any process group
     from megatron_pdm.train.config import check_world
     from megatron_pdm.train.resume import check_before_start
 
@@ -117,10 +121,6 @@ def main(argv=None) -> int:
     check_world(cfg, world)  # layout and batch rules: one line before the process group forms
     if not args.save_warmup:
         check_before_start(cfg, resume=args.resume, world_size=world)
-    if cfg.log.wandb:
-        from megatron_pdm.train.logging_utils import wandb_module
-
-        wandb_module()  # a missing package is a one-line error before any process group
     if args.save_warmup:
         from megatron_pdm.train.warmup_export import save_warmup
 

@@ -339,6 +339,24 @@ class LogConfig:
         _positive("log", self, "save_rollouts", allow_zero=True)
 
 
+class _DuplicateKey(ValueError):
+    pass
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping (yaml keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise _DuplicateKey(f"{key_node.start_mark.line + 1}: key {key!r} given twice "
+                                    f"(first on line {seen[key]})")
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
 def check_consistency(cfg: RunConfig) -> None:
     """Rules across sections that need no process group (the world size comes later)."""
     samples = cfg.rollout.prompts_per_iteration * cfg.rollout.group_size
@@ -407,9 +425,11 @@ class RunConfig:
         data: dict = {}
         if path:
             try:
-                data = yaml.safe_load(Path(path).read_text()) or {}
+                data = yaml.load(Path(path).read_text(), Loader=_UniqueKeyLoader) or {}
             except FileNotFoundError:
                 raise ConfigError(f"config file {path} not found") from None
+            except _DuplicateKey as err:
+                raise ConfigError(f"{path}:{err}") from None
             except yaml.YAMLError as err:
                 raise ConfigError(f"{path}: not valid yaml: {err}") from None
             if not isinstance(data, dict):
