@@ -364,22 +364,12 @@ class Trainer:
 
 
 def _encode_ready(ready) -> bytes | None:
-    """The collected overlap batch as bytes (the checkpoint's common state loads weights-only)."""
-    if ready is None:
-        return None
-    import io
-
-    buf = io.BytesIO()
-    torch.save(ready, buf)
-    return buf.getvalue()
+    """The collected overlap batch as plain-container bytes (no pickle of ours, rollout_store)."""
+    return None if ready is None else rollout_store.encode_batch(*ready)
 
 
 def _decode_ready(blob: bytes | None):
-    if blob is None:
-        return None
-    import io
-
-    return torch.load(io.BytesIO(blob), weights_only=False)  # our own checkpoint's data
+    return None if blob is None else rollout_store.decode_batch(blob)
 
 
 def _frac_solved(rewards: list[float], group: int) -> float:
