@@ -370,7 +370,8 @@ def check_consistency(cfg: RunConfig) -> None:
 
 
 def check_world(cfg: RunConfig, world_size: int) -> None:
-    """Rules that need the world size (every rank, before the process group forms)."""
+    """Rules checked by the CLI on every rank before the process group forms: the layout against
+    the world size, samples per minibatch against DP, the sequence length against the model."""
     from megatron_pdm.arch import min_world_size
 
     p = cfg.parallel
@@ -378,6 +379,17 @@ def check_world(cfg: RunConfig, world_size: int) -> None:
     if world_size % n:
         raise ConfigError(f"parallel.tp={p.tp} x pp={p.pp} x ep={p.ep} needs a multiple of "
                           f"{n} ranks, got WORLD_SIZE={world_size}")
+    seq = cfg.rollout.max_sequence_length
+    if seq is None and cfg.task.name == "addition":
+        from megatron_pdm.train.task import AdditionTask, Tokenizer
+
+        task = AdditionTask(cfg.task.num_digits,
+                            Tokenizer(num_filler_tokens=cfg.task.num_filler_tokens))
+        seq = task.prompt_len + task.answer_len
+    if seq is not None and seq > cfg.model.max_position_embeddings:
+        raise ConfigError(f"model.max_position_embeddings={cfg.model.max_position_embeddings} is "
+                          f"shorter than the task's {seq}-token sequences "
+                          "(rollout.max_sequence_length or the task's prompt + answer)")
     dp = world_size // (p.tp * p.pp)
     per_mb = (cfg.rollout.prompts_per_iteration * cfg.rollout.group_size
               // cfg.train.minibatches_per_iteration)

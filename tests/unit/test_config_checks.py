@@ -58,3 +58,13 @@ def test_every_rank_prints_its_own_error_line(monkeypatch, capsys):
 
     assert run_cli(main) == 2
     assert capsys.readouterr().err == "[rank 1] error: train.lr=inf must be a finite number\n"
+
+
+def test_max_position_embeddings_shorter_than_the_task_is_refused():
+    cfg = RunConfig.load(None, ["model.max_position_embeddings=8", "task.num_digits=4"])
+    with pytest.raises(ConfigError, match="max_position_embeddings=8 is shorter than the task"):
+        check_world(cfg, 2)
+    cfg = RunConfig.load(None, ["model.max_position_embeddings=64",
+                                "rollout.max_sequence_length=128"])
+    with pytest.raises(ConfigError, match="128-token"):
+        check_world(cfg, 2)
