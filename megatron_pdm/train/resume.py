@@ -14,6 +14,7 @@ and the run identity a checkpoint cannot be loaded across (docs/checkpoints.md).
 from __future__ import annotations
 
 import os
+import signal
 import uuid
 
 from megatron_pdm.configtree import ConfigError
@@ -68,3 +69,64 @@ def move_aside(cfg) -> str | None:
 
 def new_run_id() -> str:
     return uuid.uuid4().hex
+
+
+KILL_ENV = "PDM_TEST_KILL_AT_SAVE_PHASE"
+"""Test hook: `<phase>@<iteration>` (phases: tmp, written, manifest, moved_aside, renamed,
+latest) makes rank 0 SIGKILL every rank and torchrun at that phase of that save."""
+
+
+def _run_processes() -> list[int]:
+    """Other processes of this torchrun job: the same MASTER_PORT and TORCHELASTIC_RUN_ID."""
+    mine = (os.environ.get("MASTER_PORT"), os.environ.get("TORCHELASTIC_RUN_ID"))
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        except OSError:
+            continue
+        theirs = tuple(env.get(k.encode(), b"").decode() or None
+                       for k in ("MASTER_PORT", "TORCHELASTIC_RUN_ID"))
+        if theirs == mine:
+            out.append(int(name))
+    return out
+
+
+def _torchrun() -> int | None:
+    """The nearest ancestor whose command line names torchrun."""
+    pid = os.getppid()
+    while pid > 1:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"torchrun" in f.read():
+                    return pid
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except OSError:
+            return None
+    return None
+
+
+def save_hook(iteration: int):
+    """The hook of KILL_ENV for the save of `iteration` (None when it does not apply)."""
+    spec = os.environ.get(KILL_ENV)
+    if not spec:
+        return None
+    phase, _, it = spec.partition("@")
+    if it and int(it) != iteration:
+        return None
+
+    def hook(name: str) -> None:
+        if name != phase:
+            return
+        torchrun = _torchrun()
+        for pid in _run_processes() + ([torchrun] if torchrun else []):
+            try:  # the other ranks (each in its own session), then torchrun
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        os.kill(os.getpid(), signal.SIGKILL)
+    return hook

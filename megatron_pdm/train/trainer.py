@@ -307,7 +307,8 @@ class Trainer:
         ckpt.save_checkpoint(self.ckpt_dir, self.iteration, self.model, self.optimizer,
                              self.train_state(), keep_last=self.cfg.checkpoint.keep_last,
                              run_id=self.run_id,
-                             identity=resume_rules.identity(self.cfg, dist.get_world_size()))
+                             identity=resume_rules.identity(self.cfg, dist.get_world_size()),
+                             hook=resume_rules.save_hook(self.iteration))  # tests only
 
     def _restore(self) -> bool:
         """Loads the newest complete checkpoint of output_dir (verified, resume.py's rules);
