@@ -3,7 +3,8 @@
 Every entry point (`python -m megatron_pdm.train`, `megatron_pdm.train.compare`, `tools/*.py`)
 wraps its `main` in `run_cli`. A `ConfigError` (bad key, bad value, inconsistent settings, a
 layout that cannot work) is printed as `error: <message>` on stderr and the process exits with
-status 2. Under torchrun every rank parses the same config, so only rank 0 prints. Anything else
+status 2. Under torchrun (WORLD_SIZE > 1) every rank prints its own line, prefixed `[rank N]`, flushed
+before it exits. Anything else
 is a bug or an environment failure and keeps its traceback.
 """
 
@@ -24,7 +25,11 @@ def run_cli(main: Callable[[list[str] | None], int | None],
     try:
         code = main(argv)
     except ConfigError as err:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {err}", file=sys.stderr, flush=True)
+        # every rank prints its own line: the first rank to exit makes torchrun end the others,
+        # so a message printed by rank 0 alone could be lost
+        rank = os.environ.get("RANK")
+        multi = int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
+        prefix = f"[rank {rank}] " if rank is not None and multi else ""
+        print(f"{prefix}error: {err}", file=sys.stderr, flush=True)
         return EXIT_CONFIG_ERROR
     return 0 if code is None else int(code)

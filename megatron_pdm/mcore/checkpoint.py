@@ -2,8 +2,9 @@
 
 Layout: `<save_dir>/iter_<NNNNNNN>/` is one dist-checkpoint holding the model's and the
 optimizer's sharded state dicts plus a `train_state` common entry (step counters, RNG states,
-rollout-engine counters; anything picklable). `<save_dir>/latest` names the newest complete one
-(written by rank 0 after every rank has finished saving), so an interrupted save is never resumed.
+rollout-engine counters), and a `manifest.json` (size and sha256 of every file, the run id and
+identity). It is written to a temporary directory and renamed into place when complete; the file
+rules (publish, `latest`, rotation, verification) are in ckpt_files.py and docs/checkpoints.md.
 
 Model tensors are saved as sharded tensors with global shapes, so a checkpoint written at one
 TP/EP layout loads at another (used by the TP=1 vs TP=2 loss test).
@@ -22,31 +23,21 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 
 import torch
 import torch.distributed as dist
 
+from megatron_pdm.mcore import ckpt_files as files
 from megatron_pdm.mcore import optimizer as mopt
 
 logger = logging.getLogger(__name__)
 
-LATEST = "latest"
-
-
-def _ckpt_dir(save_dir: str, iteration: int) -> str:
-    return os.path.join(save_dir, f"iter_{iteration:07d}")
+LATEST = files.LATEST
 
 
 def latest_checkpoint(save_dir: str) -> str | None:
-    """Path of the newest complete checkpoint, or None."""
-    marker = os.path.join(save_dir, LATEST)
-    if not os.path.exists(marker):
-        return None
-    with open(marker) as f:
-        name = f.read().strip()
-    path = os.path.join(save_dir, name)
-    return path if os.path.isdir(path) else None
+    """Path of the newest published checkpoint, verified against its manifest, or None."""
+    return files.find_resume(save_dir)
 
 
 def _model_sd(ddp_model):
@@ -55,16 +46,20 @@ def _model_sd(ddp_model):
 
 
 def save_checkpoint(save_dir: str, iteration: int, ddp_model, optimizer, train_state: dict,
-                    *, keep_last: int = 2) -> str:
-    """Collective: every rank calls it. Returns the checkpoint path."""
+                    *, keep_last: int = 2, run_id: str = "", identity: dict | None = None,
+                    hook=None) -> str:
+    """Collective: every rank calls it. Returns the checkpoint path.
+
+    Written to `<save_dir>/.iter_N.tmp`, manifested and renamed into place by rank 0 (see
+    ckpt_files); `hook(phase)` runs on rank 0 between the steps."""
     from megatron.core import dist_checkpointing
 
-    path = _ckpt_dir(save_dir, iteration)
+    hook = hook or (lambda phase: None)
+    tmp = files.tmp_path(save_dir, iteration)
     if dist.get_rank() == 0:
-        if os.path.isdir(path):
-            shutil.rmtree(path)
-        os.makedirs(path, exist_ok=True)
-    dist.barrier()
+        files.prepare_tmp(save_dir, iteration)
+        hook("tmp")
+    dist.barrier()  # the temporary directory exists before any rank writes into it
     model_sd = _model_sd(ddp_model)
     metadata = mopt.DIST_OPT_METADATA if mopt.uses_distributed_optimizer(optimizer) else None
     with_optimizer = has_optimizer_state(optimizer)
@@ -72,17 +67,15 @@ def save_checkpoint(save_dir: str, iteration: int, ddp_model, optimizer, train_s
     if with_optimizer:
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=False,
                                                           metadata=metadata)
-    dist_checkpointing.save(state, path)
-    dist.barrier()
+    dist_checkpointing.save(state, tmp)
+    dist.barrier()  # every rank's shards are written before rank 0 digests them
+    path = os.path.join(save_dir, files.ckpt_name(iteration))
     if dist.get_rank() == 0:
-        tmp = os.path.join(save_dir, LATEST + ".tmp")
-        with open(tmp, "w") as f:
-            f.write(os.path.basename(path))
-        os.replace(tmp, os.path.join(save_dir, LATEST))
-        old = sorted(d for d in os.listdir(save_dir) if d.startswith("iter_"))
-        for name in old[:-keep_last] if keep_last > 0 else []:
-            shutil.rmtree(os.path.join(save_dir, name), ignore_errors=True)
-    dist.barrier()
+        hook("written")
+        files.write_manifest(tmp, run_id=run_id, iteration=iteration, identity=identity or {})
+        hook("manifest")
+        files.publish(save_dir, iteration, tmp, run_id=run_id, keep_last=keep_last, hook=hook)
+    dist.barrier()  # no rank returns before the checkpoint is published
     logger.info("saved checkpoint %s", path)
     return path
 

@@ -1,8 +1,8 @@
 """CLI: `torchrun --nproc-per-node 2 -m megatron_pdm.train --config examples/tiny_cpu/config.yaml`.
 
 Flags: `--set dotted.key=value` (repeatable), `--preset NAME` (= --set loss.preset=NAME),
-`--output-dir DIR`, `--resume` (continue from the latest checkpoint in DIR/checkpoints, or start
-fresh when there is none), `--dry-run` (validate the layout and print a memory estimate without
+`--output-dir DIR`, `--resume` (continue from the newest complete checkpoint in DIR/checkpoints,
+verified, or start fresh when there is none; docs/checkpoints.md), `--dry-run` (validate the layout and print a memory estimate without
 initialising torch.distributed or allocating the model; needs no torchrun), `--save-warmup DIR`
 (run only the supervised warm-up and save its weights to DIR for `checkpoint.load_dir`).
 
@@ -114,6 +114,13 @@ def main(argv=None) -> int:
         from megatron_pdm.train.logging_utils import wandb_module
 
         wandb_module()  # a missing package is a one-line error before any process group
+    from megatron_pdm.train.config import check_world
+    from megatron_pdm.train.resume import check_before_start
+
+    world = int(os.environ["WORLD_SIZE"])
+    check_world(cfg, world)  # layout and batch rules: one line before the process group forms
+    if not args.save_warmup:
+        check_before_start(cfg, resume=args.resume, world_size=world)
     if args.save_warmup:
         from megatron_pdm.train.warmup_export import save_warmup
 

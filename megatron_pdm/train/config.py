@@ -15,6 +15,7 @@ overrides a field of it). Only our knobs live here; megatron's own settings are 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -38,9 +39,12 @@ __all__ = [
 ]
 
 
-def _positive(section: str, obj, *names: str, allow_zero: bool = False) -> None:
+def _positive(section: str, obj, *names: str, allow_zero: bool = False,
+              finite: bool = True) -> None:
     for name in names:
         value = getattr(obj, name)
+        if value is not None and finite and not math.isfinite(value):
+            raise ConfigError(f"{section}.{name}={value!r} must be a finite number")
         if value is not None and (value < 0 if allow_zero else value <= 0):
             raise ConfigError(f"{section}.{name}={value!r} must be "
                               f"{'>= 0' if allow_zero else '> 0'}")
@@ -358,6 +362,10 @@ class CheckpointConfig:
     save_interval: int = 25
     """Save every this many iterations (0: only at the end)."""
     keep_last: int = 2
+    """Published checkpoints of this run kept (the highest iterations; 0: all)."""
+    allow_fresh_start: bool = False
+    """A run without --resume in an output_dir that already holds checkpoints moves them to
+    `checkpoints.old-<k>` and starts fresh; false (default): such a start is refused."""
     load_dir: str | None = None
     """Initial weights: a dist checkpoint written by tools/convert_hf_to_megatron.py (with its
     pdm_model.json), loaded at this run's layout. `--resume` from output_dir wins over it."""
@@ -394,6 +402,66 @@ class LogConfig:
         _positive("log", self, "save_rollouts", allow_zero=True)
 
 
+class _DuplicateKey(ValueError):
+    pass
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping (yaml keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise _DuplicateKey(f"{key_node.start_mark.line + 1}: key {key!r} given twice "
+                                    f"(first on line {seen[key]})")
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
+def check_consistency(cfg: RunConfig) -> None:
+    """Rules across sections that need no process group (the world size comes later)."""
+    samples = cfg.rollout.prompts_per_iteration * cfg.rollout.group_size
+    if samples < cfg.train.minibatches_per_iteration:
+        raise ConfigError(
+            f"train.minibatches_per_iteration={cfg.train.minibatches_per_iteration} exceeds the "
+            f"{samples} samples per iteration (rollout.prompts_per_iteration x group_size)")
+    for name in ("weight_decay", "clip_grad"):
+        if not math.isfinite(getattr(cfg.train, name)):
+            raise ConfigError(f"train.{name}={getattr(cfg.train, name)!r} must be finite")
+
+
+def check_world(cfg: RunConfig, world_size: int) -> None:
+    """Rules checked by the CLI on every rank before the process group forms: the layout against
+    the world size, samples per minibatch against DP, the sequence length against the model."""
+    from megatron_pdm.arch import min_world_size
+
+    p = cfg.parallel
+    n = min_world_size(tp=p.tp, pp=p.pp, ep=p.ep)
+    if world_size % n:
+        raise ConfigError(f"parallel.tp={p.tp} x pp={p.pp} x ep={p.ep} needs a multiple of "
+                          f"{n} ranks, got WORLD_SIZE={world_size}")
+    seq = cfg.rollout.max_sequence_length
+    if seq is None and cfg.task.name == "addition":
+        from megatron_pdm.train.task import AdditionTask, Tokenizer
+
+        task = AdditionTask(cfg.task.num_digits,
+                            Tokenizer(num_filler_tokens=cfg.task.num_filler_tokens))
+        seq = task.prompt_len + task.answer_len
+    if seq is not None and seq > cfg.model.max_position_embeddings:
+        raise ConfigError(f"model.max_position_embeddings={cfg.model.max_position_embeddings} is "
+                          f"shorter than the task's {seq}-token sequences "
+                          "(rollout.max_sequence_length or the task's prompt + answer)")
+    dp = world_size // (p.tp * p.pp)
+    per_mb = (cfg.rollout.prompts_per_iteration * cfg.rollout.group_size
+              // cfg.train.minibatches_per_iteration)
+    if per_mb < dp:
+        raise ConfigError(
+            f"{per_mb} samples per minibatch (rollout.prompts_per_iteration x group_size / "
+            f"train.minibatches_per_iteration) is fewer than the {dp} data-parallel ranks")
+
+
 @dataclass(kw_only=True)
 class RunConfig:
     seed: int = 1234
@@ -416,6 +484,7 @@ class RunConfig:
             raise ConfigError(
                 f"parallel.pp={self.parallel.pp} needs a server rollout engine: the local engine "
                 "copy would need a pipeline schedule per decode step (rollout.engine=sglang)")
+        check_consistency(self)
 
     def to_dict(self) -> dict:
         """The resolved tree as plain data (what `save` writes)."""
@@ -431,9 +500,11 @@ class RunConfig:
         data: dict = {}
         if path:
             try:
-                data = yaml.safe_load(Path(path).read_text()) or {}
+                data = yaml.load(Path(path).read_text(), Loader=_UniqueKeyLoader) or {}
             except FileNotFoundError:
                 raise ConfigError(f"config file {path} not found") from None
+            except _DuplicateKey as err:
+                raise ConfigError(f"{path}:{err}") from None
             except yaml.YAMLError as err:
                 raise ConfigError(f"{path}: not valid yaml: {err}") from None
             if not isinstance(data, dict):

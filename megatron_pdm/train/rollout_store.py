@@ -24,6 +24,8 @@ prompts: 64 KB measured for the tiny CPU demo batch (128 samples x 4 tokens, S =
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import logging
 import os
 import re
@@ -31,9 +33,10 @@ import re
 import torch
 import torch.distributed as dist
 
-from rollout_bridge.core.types import RolloutBatch, RolloutSample
+from rollout_bridge.core.types import RolloutBatch, RolloutFailure, RolloutSample
 
-__all__ = ["FORMAT", "list_rollouts", "load_rollout", "rollout_dir", "save_rollout"]
+__all__ = ["FORMAT", "decode_batch", "encode_batch", "list_rollouts", "load_rollout",
+           "rollout_dir", "save_rollout"]
 
 logger = logging.getLogger(__name__)
 
@@ -135,3 +138,24 @@ def load_rollout(path: str) -> tuple[RolloutBatch, int, dict]:
         raise ValueError(f"{path}: not a saved rollout batch (expected format {FORMAT!r})")
     batch = RolloutBatch(samples=_from_plain(data), **data["batch"])
     return batch, int(data["iteration"]), data["config"]
+
+
+def encode_batch(problems: list, batch: RolloutBatch) -> bytes:
+    """A collected (not yet scored) batch and its problems as bytes of plain containers, for the
+    checkpoint's train_state (rollout.overlap); `decode_batch` reads it with weights_only=True,
+    so a checkpoint holds no pickled object of ours."""
+    buf = io.BytesIO()
+    torch.save({"format": FORMAT, "problems": problems, "rollout": _to_plain(batch, -1, {}),
+                "failures": [dataclasses.asdict(f) for f in batch.failures]}, buf)
+    return buf.getvalue()
+
+
+def decode_batch(blob: bytes) -> tuple[list, RolloutBatch]:
+    """(problems, batch) of `encode_batch`; ValueError on anything else."""
+    data = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ValueError(f"checkpoint overlap batch: expected format {FORMAT!r}")
+    rollout = data["rollout"]
+    batch = RolloutBatch(samples=_from_plain(rollout), **rollout["batch"],
+                         failures=[RolloutFailure(**f) for f in data["failures"]])
+    return data["problems"], batch

@@ -44,11 +44,13 @@ import torch.distributed as dist
 
 from megatron_pdm import metrics as M
 from megatron_pdm.mcore import checkpoint as ckpt
+from megatron_pdm.mcore import ckpt_files
 from megatron_pdm.mcore import loss_adapter
 from megatron_pdm.mcore import optimizer as mopt
 from megatron_pdm.mcore.model import build_model, transformer_config
 from megatron_pdm.mcore.parallel import current_parallel_info, init_parallel
 from megatron_pdm.train import model_setup as ms
+from megatron_pdm.train import resume as resume_rules
 from megatron_pdm.train import rollout as ro
 from megatron_pdm.train import rollout_store
 from megatron_pdm.train import warmup as wu
@@ -111,7 +113,8 @@ class Trainer:
         self.step = 0
         self.evals: dict[str, float] = {}
         self.writer: MetricsWriter | None = None  # set by run(): TensorBoard / W&B scalars
-        self.ckpt_dir = os.path.join(cfg.output_dir, "checkpoints")
+        self.ckpt_dir = resume_rules.checkpoint_dir(cfg)
+        self.run_id = resume_rules.new_run_id() if dist.get_rank() == 0 else ""
         # rollout.overlap: the generation in flight, and the collected batch of self.iteration
         self._pending = None
         self._ready: tuple[list, object] | None = None
@@ -302,14 +305,19 @@ class Trainer:
 
     def save(self) -> None:
         ckpt.save_checkpoint(self.ckpt_dir, self.iteration, self.model, self.optimizer,
-                             self.train_state(), keep_last=self.cfg.checkpoint.keep_last)
+                             self.train_state(), keep_last=self.cfg.checkpoint.keep_last,
+                             run_id=self.run_id,
+                             identity=resume_rules.identity(self.cfg, dist.get_world_size()),
+                             hook=resume_rules.save_hook(self.iteration))  # tests only
 
     def _restore(self) -> bool:
-        """Loads the newest complete checkpoint of output_dir; False when there is none."""
+        """Loads the newest complete checkpoint of output_dir (verified, resume.py's rules);
+        False when the directory holds none."""
         path = ckpt.latest_checkpoint(self.ckpt_dir)
         if path is None:
             log_rank0("--resume: no checkpoint in %s, starting fresh", self.ckpt_dir)
             return False
+        self.run_id = ckpt_files.read_manifest(path)["run_id"]  # rotation continues this run's
         self.load_train_state(ckpt.load_checkpoint(path, self.model, self.optimizer))
         self.sync_weights()
         log_rank0("resumed from %s at iteration %d (step %d)", path, self.iteration, self.step)
@@ -357,22 +365,12 @@ class Trainer:
 
 
 def _encode_ready(ready) -> bytes | None:
-    """The collected overlap batch as bytes (the checkpoint's common state loads weights-only)."""
-    if ready is None:
-        return None
-    import io
-
-    buf = io.BytesIO()
-    torch.save(ready, buf)
-    return buf.getvalue()
+    """The collected overlap batch as plain-container bytes (no pickle of ours, rollout_store)."""
+    return None if ready is None else rollout_store.encode_batch(*ready)
 
 
 def _decode_ready(blob: bytes | None):
-    if blob is None:
-        return None
-    import io
-
-    return torch.load(io.BytesIO(blob), weights_only=False)  # our own checkpoint's data
+    return None if blob is None else rollout_store.decode_batch(blob)
 
 
 def _frac_solved(rewards: list[float], group: int) -> float:
@@ -390,6 +388,9 @@ def run_main(cfg: RunConfig, *, resume: bool) -> dict:
     log_rank0("resolved config: %s", cfg.to_dict())
     if is_rank0():
         os.makedirs(cfg.output_dir, exist_ok=True)
+        moved = None if resume else resume_rules.move_aside(cfg)  # allow_fresh_start=true
+        if moved:
+            log_rank0("fresh start: the old checkpoints were moved to %s", moved)
         cfg.save(os.path.join(cfg.output_dir, "config.yaml"))  # loads back with --config
     log_rank0("parallel layout: %s", current_parallel_info())
     result = trainer.run(resume=resume)
