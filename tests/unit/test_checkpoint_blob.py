@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_pdm.train.trainer import _decode_ready, _encode_ready
-from rollout_bridge.types import RolloutBatch, RolloutFailure, RolloutSample
+from rollout_bridge.core.types import RolloutBatch, RolloutFailure, RolloutSample
 
 
 def _sample(i):
