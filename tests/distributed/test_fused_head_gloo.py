@@ -5,8 +5,8 @@ weight, and compares the replicated stats with `token_stats(hidden @ weight.T)` 
 (fp64: 1e-12), its slice of grad_W with the slice of the unfused weight gradient, and the
 TP-summed grad_h (the column-parallel rule: each rank holds a partial sum) with the unfused
 grad_h. Vocab 1001 padded to 1008 (TP = 4: 252 per rank, the last rank has 245 real columns),
-plus a vocabulary whose last rank holds only padding (TP = 4: 57 real of 4 x 20 = 80 ids, rank 3 has none) and an
-empty batch; chunk sizes that divide nothing. One spawn per world size.
+plus a vocabulary whose last rank holds only padding (TP = 4: 57 real of 4 x 20 = 80 ids, rank 3
+has none) and an empty batch; chunk sizes that divide nothing. One spawn per world size.
 """
 
 import dataclasses
