@@ -220,3 +220,27 @@ def test_non_finite_hidden_is_named():
     hidden[3, 1] = float("nan")
     with pytest.raises(ValueError, match="row 3 has non-finite"):
         fused_token_stats(hidden, weight, *op_args(case), tp_group=None, vocab_size=40)
+
+
+def test_minus_inf_logits_never_enter_the_sums():
+    """-inf logits (a weight row of -inf against positive hidden states): whole vocabulary
+    chunks whose tail is -inf (the running max starts at -inf, then grows) give the unfused
+    op's statistics (forward; the product's gradient is NaN there for both paths)."""
+    case, hidden, weight = _head_case(13, 6, 40, 3)
+    hidden = hidden.abs() + 0.1
+    used = set(case["support_ids"].flatten().tolist()) | set(case["sampled_ids"].tolist())
+    cut = [i for i in range(14) if i not in used]  # the first two chunks of 7 columns
+    weight[cut, 0] = -torch.inf
+    args, kw = op_args(case), dict(tp_group=None, vocab_size=40)
+    logits = hidden @ weight.t()
+    assert torch.isinf(logits[:, cut]).all()
+    ref = pdm.token_stats(logits, *args, **kw)
+    out = fused_token_stats(hidden, weight, *args, **kw, token_chunk=4, vocab_chunk=7)
+    for name in FIELDS:
+        a, b = getattr(ref, name), getattr(out, name)
+        if a.dtype == torch.bool:
+            assert torch.equal(a, b), name
+        else:
+            assert torch.equal(torch.isfinite(a), torch.isfinite(b)), name
+            fin = torch.isfinite(a)
+            torch.testing.assert_close(b[fin], a[fin], atol=1e-12, rtol=1e-12)
