@@ -244,3 +244,30 @@ def test_minus_inf_logits_never_enter_the_sums():
             assert torch.equal(torch.isfinite(a), torch.isfinite(b)), name
             fin = torch.isfinite(a)
             torch.testing.assert_close(b[fin], a[fin], atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_without_validation_no_host_sync(dtype, tp, monkeypatch):
+    """validate=False: forward and backward read no tensor data on the host (the detector of
+    tests/unit/test_no_host_sync.py, which also sees aten ops inside backward)."""
+    from tests.unit.test_no_host_sync import _count_syncs
+
+    group = None
+    if tp == 2:
+        monkeypatch.setattr(dist, "all_reduce", lambda t, op=None, group=None, async_op=False: None)
+        monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+        monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+        group = object()
+    case, hidden, weight = _head_case(14, 12, 100, 5, padded=104, dtype=dtype)
+    h = hidden.clone().requires_grad_()
+    w = (weight[:52] if tp == 2 else weight).clone().requires_grad_()
+
+    def run():
+        stats = fused_token_stats(h, w, *op_args(case), tp_group=group, vocab_size=100,
+                                  temperature=0.9, validate=False, token_chunk=5, vocab_chunk=17)
+        stats.logprob.sum().backward()
+
+    assert _count_syncs(run) == []
+    assert _count_syncs(lambda: fused_token_stats(
+        h, w, *op_args(case), tp_group=group, vocab_size=100)) != []  # the detector sees them
