@@ -90,7 +90,8 @@ def _spans(n: int, step: int):
 def _forward_sums(hidden, weight, sampled_ids, support_ids, support_valid, shard, temperature,
                   token_chunk, vocab_chunk, work):
     """Local streaming reductions of this shard: (tail max m [N], (Z_T, S2_T) [N, 2] relative
-    to exp_shift(m), the owned masked columns: owned [N, M], tempered-free z [N, M] in work)."""
+    to exp_shift(m), the owned masked columns: owned [N, M], their untempered logits z [N, M]
+    in the working dtype, 0 where not owned)."""
     n, m_slots = hidden.shape[0], support_ids.shape[1] + 1
     dev = hidden.device
     max_N = torch.full((n,), -torch.inf, dtype=work, device=dev)
