@@ -48,7 +48,7 @@ PROMPTS="${PROMPTS:-/data/prompts.jsonl}"
 SGLANG_URL="${SGLANG_URL:-http://127.0.0.1:30000}"
 WEIGHT_SYNC="${WEIGHT_SYNC:-distributed}"
 SEQ_LENGTH="${SEQ_LENGTH:-8192}"
-LOG_DIR="${LOG_DIR:-runs/qwen3_30b_a3b_pdm/logs}"
+LOG_DIR="${LOG_DIR:-runs/qwen3_30b_a3b_pdm.logs}"  # beside output_dir (a fresh start moves output_dir aside)
 
 # torchrun rendezvous: one process per GPU
 DISTRIBUTED_ARGS=(

@@ -5,8 +5,8 @@ and the run identity a checkpoint cannot be loaded across (docs/checkpoints.md).
   against its manifest (mcore/ckpt_files.find_resume); with no checkpoint at all it starts fresh.
   `latest` naming a missing directory resumes from the newest complete one with a warning.
 * A fresh start (no `--resume`) in a directory that already holds checkpoints is refused unless
-  `checkpoint.allow_fresh_start=true`; then the old `checkpoints/` is moved aside to
-  `checkpoints.old-<k>` (nothing is deleted) and the new run starts in an empty one.
+  `checkpoint.allow_fresh_start=true`; then the old run's output directory is moved aside to
+  `<output_dir>.old-<k>` (nothing is deleted) and the new run starts in an empty one.
 * Identity: the task section, the model architecture and the optimizer layout must equal the
   checkpoint's; the error names every differing key.
 """
@@ -49,22 +49,30 @@ def check_before_start(cfg, *, resume: bool, world_size: int) -> None:
         elif files.has_checkpoints(d) and not cfg.checkpoint.allow_fresh_start:
             raise ConfigError(
                 f"{d} already holds checkpoints: pass --resume to continue that run, or "
-                "--set checkpoint.allow_fresh_start=true to start fresh (the old checkpoints "
-                "are moved to checkpoints.old-<k>), or choose another --output-dir")
+                "--set checkpoint.allow_fresh_start=true to start fresh (the old run's directory "
+                "is moved to <output_dir>.old-<k>), or choose another --output-dir")
     except files.CheckpointError as err:
         raise ConfigError(f"--resume: {err}") from None
 
 
 def move_aside(cfg) -> str | None:
-    """Rank 0, fresh start allowed over old checkpoints: renames them to checkpoints.old-<k>."""
+    """Rank 0, fresh start allowed over old checkpoints: the previous run's whole output
+    directory (checkpoints, metrics, summary, TensorBoard, saved rollouts) is renamed to
+    `<output_dir>.old-<k>` and the new run starts in an empty one, so nothing the old run
+    could resume from is lost or mixed with the new run's files. When the output directory is
+    the working directory (or above it), only `checkpoints/` is renamed (`checkpoints.old-<k>`)."""
     d = checkpoint_dir(cfg)
     if not files.has_checkpoints(d):
         return None
+    out = os.path.abspath(cfg.output_dir)
+    cwd = os.getcwd()
+    src = d if (cwd == out or cwd.startswith(out + os.sep)) else out
     k = 1
-    while os.path.exists(f"{d}.old-{k}"):
+    while os.path.exists(f"{src}.old-{k}"):
         k += 1
-    os.rename(d, f"{d}.old-{k}")
-    return f"{d}.old-{k}"
+    os.rename(src, f"{src}.old-{k}")
+    os.makedirs(cfg.output_dir, exist_ok=True)
+    return f"{src}.old-{k}"
 
 
 def new_run_id() -> str:

@@ -125,9 +125,11 @@ def test_fresh_start_over_checkpoints_is_refused_unless_allowed(tmp_path):
     cfg = _cfg(tmp_path, "checkpoint.allow_fresh_start=true")
     R.check_before_start(cfg, resume=False, world_size=2)
     moved = R.move_aside(cfg)
-    assert moved.endswith("checkpoints.old-1") and os.path.isdir(
-        os.path.join(moved, "iter_0000002"))  # nothing deleted
-    assert not F.has_checkpoints(R.checkpoint_dir(cfg))
+    assert moved == os.path.abspath(cfg.output_dir) + ".old-1" and os.path.isdir(
+        os.path.join(moved, "checkpoints", "iter_0000002"))  # nothing deleted
+    assert not F.has_checkpoints(R.checkpoint_dir(cfg)) and os.path.isdir(cfg.output_dir)
+    _saved_run(tmp_path)  # a second fresh start finds the next free name
+    assert R.move_aside(cfg) == os.path.abspath(cfg.output_dir) + ".old-2"
 
 
 def test_resume_where_latest_names_nothing_and_no_checkpoint_fails(tmp_path):
