@@ -60,7 +60,7 @@ def transformer_config(
     params_dtype: torch.dtype = torch.float32,
     bf16: bool = False,
     moe_token_dispatcher_type: str = "alltoall",
-    use_cpu_initialization: bool = True,
+    use_cpu_initialization: Optional[bool] = None,
     fp8: Optional[str] = None,
     fp8_recipe: Optional[str] = None,
     **overrides,
@@ -70,11 +70,16 @@ def transformer_config(
     `overrides` are further TransformerConfig fields (they win over the derived ones).
 
     Sequence parallelism defaults to on whenever TP > 1 (megatron requires it for MoE with TP).
-    Expert tensor parallelism is 1 (the layout used for Qwen3-30B-A3B in practice, and the only one
+    `use_cpu_initialization` defaults to "no GPU": with a GPU the weights are created on the
+    rank's device. Expert tensor parallelism is 1 (the layout used for Qwen3-30B-A3B in practice, and the only one
     gloo supports with the alltoall dispatcher).
     """
     if sequence_parallel is None:
         sequence_parallel = tp > 1
+    if use_cpu_initialization is None:
+        # On a GPU megatron initialises the weights on torch.cuda.current_device(); on CPU the
+        # shim maps that device to the CPU, but megatron's GPU init path needs real CUDA.
+        use_cpu_initialization = not torch.cuda.is_available()
     kwargs = dict(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,

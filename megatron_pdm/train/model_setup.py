@@ -99,7 +99,9 @@ def have_transformer_engine() -> bool:
     return True
 
 
-def check_runtime(cfg: RunConfig, *, cuda: bool | None = None, te: bool | None = None) -> None:
+def check_runtime(cfg: RunConfig, *, cuda: bool | None = None, te: bool | None = None,
+                  capability: tuple[int, int] | None = None,
+                  torch_cuda: str | None = None) -> None:
     """Refuses settings the machine cannot run (FP8 without CUDA or transformer-engine; bf16
     params without CUDA: megatron-core 0.16.1's unfused softmax builds its causal mask with
     device="cuda" for 16-bit inputs, measured on CPU)."""
@@ -123,6 +125,20 @@ def check_runtime(cfg: RunConfig, *, cuda: bool | None = None, te: bool | None =
             f"precision.fp8={cfg.precision.fp8} (recipe {cfg.precision.fp8_recipe}) needs "
             f"{' and '.join(missing)}: FP8 runs only through Transformer Engine layers on "
             "Hopper/Blackwell GPUs. Use precision.fp8=null on this machine.")
+    from megatron_pdm.mcore.fp8 import check_fp8_recipe
+
+    if capability is None and torch.cuda.is_available():
+        capability, torch_cuda = torch.cuda.get_device_capability(), torch.version.cuda
+    if capability is not None:  # the recipe against this GPU and torch build (TE's rules)
+        check_fp8_recipe(cfg.precision.fp8_recipe, capability, torch_cuda)
+
+
+def seq_multiple(cfg: RunConfig) -> int:
+    """The multiple packed sequence lengths are padded to (TP split, FP8 row alignment)."""
+    from megatron_pdm.mcore.fp8 import seq_multiple as rule
+
+    p = cfg.precision
+    return rule(tp=cfg.parallel.tp, fp8_recipe=p.fp8_recipe if p.fp8 is not None else None)
 
 
 def load_initial_weights(module: torch.nn.Module, load_dir: str, meta: dict, *, tp: int,
@@ -135,7 +151,11 @@ def load_initial_weights(module: torch.nn.Module, load_dir: str, meta: dict, *, 
 
     arch = Qwen3MoeArch.from_dict(meta["arch"])
     check_vocab_padding(arch, meta["layout_at_import"]["tp"], tp)
-    sharded = rename_for_key_style(module.sharded_state_dict(), style, meta["key_style"])
+    from megatron_pdm.mcore.fp8 import drop_extra_state
+
+    # TE's `_extra_state` (FP8 metadata) is absent from converted checkpoints: not requested
+    sharded = drop_extra_state(
+        rename_for_key_style(module.sharded_state_dict(), style, meta["key_style"]))
     # load_dir: what Megatron-LM's --load is given (tracker + release/), or a dist checkpoint
     state = dist_checkpointing.load(sharded, weights_dir(load_dir))
     missing, unexpected = module.load_state_dict(state, strict=False)

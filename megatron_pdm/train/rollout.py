@@ -43,9 +43,10 @@ class GatheredGPT(torch.nn.Module):
         b, length = ids_bl.shape
         padded = -(-length // self.tp_size) * self.tp_size
         if padded != length:
-            pad = torch.full((b, padded - length), self.pad_id, dtype=ids_bl.dtype)
+            pad = torch.full((b, padded - length), self.pad_id, dtype=ids_bl.dtype,
+                             device=ids_bl.device)
             ids_bl = torch.cat([ids_bl, pad], dim=1)
-        pos_bl = torch.arange(padded).expand(b, padded)
+        pos_bl = torch.arange(padded, device=ids_bl.device).expand(b, padded)
         logits_blv = self.gpt(ids_bl, pos_bl, attention_mask=None)  # [b, L, V/TP], causal
         logits_blv = gather_from_tensor_model_parallel_region(logits_blv)[:, :length]
         logits_blv = logits_blv.float().contiguous()

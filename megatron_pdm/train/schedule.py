@@ -18,6 +18,7 @@ from typing import Any, Callable, Protocol
 import torch
 import torch.distributed as dist
 
+from megatron_pdm.mcore.device import to_device
 from megatron_pdm.mcore.loss_adapter import reduce_metrics
 
 
@@ -38,7 +39,7 @@ def optimizer_step(model, optimizer, microbatches: list[MicroBatch],
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     def forward_step(data_iterator, model):
-        mb = next(data_iterator)
+        mb = to_device(next(data_iterator))  # packed on CPU; model and loss on the device
         # Under PP, stages after the first take the schedule's input tensor instead of tokens.
         output = model(mb.tokens, mb.position_ids, attention_mask=None)
         return output, loss_func_of(mb)

@@ -221,7 +221,7 @@ class Trainer:
         for i in range(w.steps):
             problems = self.task.operands_for(self.cfg.seed + 1, i, w.batch_size)
             batch = wu.sft_batch(self.task, problems, pad_id=self.task.pad_id,
-                                 pad_to_multiple_of=self.cfg.parallel.tp)
+                                 pad_to_multiple_of=ms.seq_multiple(self.cfg))
             mbs = [batch.select_rows(m) for m in self._dp_microbatches(torch.arange(w.batch_size))]
             means, _ = self._step(mbs, lambda mb: (lambda out: wu.sft_loss_func(out, mb, vocab)))
             loss, done = means[M.SFT_LOSS], i + 1
@@ -253,7 +253,7 @@ class Trainer:
         batch.set_rewards(rewards)
         rollout_store.save_rollout(cfg, self.iteration, batch)  # log.save_rollouts (opt-in)
         packed = pack_padded(batch, group_advantages(batch), pad_id=self.task.pad_id,
-                             pad_to_multiple_of=cfg.parallel.tp)
+                             pad_to_multiple_of=ms.seq_multiple(cfg))
         t_rollout = time.time() - t0
         g = torch.Generator().manual_seed(cfg.seed * 31 + self.iteration)
         minibatches = torch.randperm(len(batch.samples), generator=g).chunk(
