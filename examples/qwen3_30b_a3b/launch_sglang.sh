@@ -27,7 +27,7 @@ SGLANG_TP="${SGLANG_TP:-8}"
 SGLANG_EP="${SGLANG_EP:-8}"
 CONTEXT_LENGTH="${CONTEXT_LENGTH:-8192}"
 ROLLOUT_PRECISION="${ROLLOUT_PRECISION:-bf16}"
-LOG_DIR="${LOG_DIR:-runs/qwen3_30b_a3b_pdm/sglang}"
+LOG_DIR="${LOG_DIR:-runs/qwen3_30b_a3b_pdm.sglang}"  # beside the trainer output_dir
 HOST="${HOST:-127.0.0.1}"
 : "${PDM_SGLANG_API_KEY:?set PDM_SGLANG_API_KEY (the servers refuse every request without it)}"
 mkdir -p "${LOG_DIR}"

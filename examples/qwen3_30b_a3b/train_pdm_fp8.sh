@@ -115,27 +115,19 @@ if [[ " ${PRECISION_ARGS[*]} " == *" precision.fp8=e4m3 "* || " ${PRECISION_ARGS
         export NVTE_FP8_BLOCK_SCALING_FP32_SCALES="${NVTE_FP8_BLOCK_SCALING_FP32_SCALES:-1}"
     fi
     # refuse a recipe this node's GPU or torch build cannot run, before any rendezvous
-    # (megatron_pdm.mcore.fp8.check_fp8_recipe when the package has it, else the same rule inline)
+    # (megatron_pdm.mcore.fp8.check_fp8_recipe: TE's support rules, the one the driver applies too)
     if [[ -z "${SKIP_GPU_CHECKS:-}" ]] && ! [[ " $* " == *" --dry-run "* ]]; then
         FP8_RECIPE="${FP8_RECIPE}" "${PYTHON:-python3}" - <<'PY' || exit 2
 import os, sys
 import torch
+from megatron_pdm.mcore.fp8 import check_fp8_recipe
 recipe = os.environ["FP8_RECIPE"]
 if not torch.cuda.is_available():
     sys.exit(f"FP8 recipe {recipe}: no CUDA device on this node")
-cap, cuda = torch.cuda.get_device_capability(), torch.version.cuda or "0.0"
 try:
-    from megatron_pdm.mcore.fp8 import check_fp8_recipe
-except ImportError:
-    check_fp8_recipe = None
-if check_fp8_recipe is not None:
-    check_fp8_recipe(recipe, cap, cuda)
-elif recipe == "mxfp8" and cap < (10, 0):
-    sys.exit(f"precision.fp8_recipe=mxfp8 needs compute capability >= 10.0 (Blackwell); this GPU "
-             f"is {cap[0]}.{cap[1]}: use blockwise or delayed")
-elif recipe == "blockwise" and tuple(map(int, cuda.split(".")[:2])) < (12, 9):
-    sys.exit(f"precision.fp8_recipe=blockwise needs torch built with CUDA >= 12.9; this torch has "
-             f"CUDA {cuda}: install a cu129+ torch or use delayed")
+    check_fp8_recipe(recipe, torch.cuda.get_device_capability(), torch.version.cuda)
+except (RuntimeError, ValueError) as err:
+    sys.exit(str(err))
 PY
     fi
 fi
