@@ -20,11 +20,14 @@ $(STAMP): setup.py constraints/ci.txt
 venv: $(STAMP)
 
 # make demo [SEED=1234] [THREADS=1] [ARGS="--set ..."]: torch threads per process (OMP_NUM_THREADS);
-# the run is deterministic for a given machine, seed and thread count.
+# the run is deterministic for a given machine, seed and thread count. A second `make demo` starts
+# a new run: the previous one is moved to runs/tiny_cpu.old-<k> (checkpoint.allow_fresh_start;
+# nothing is deleted); `make demo ARGS=--resume` continues a killed one instead.
 demo: $(STAMP)
 	OMP_NUM_THREADS=$(or $(THREADS),1) $(VENV)/bin/torchrun --nproc-per-node $(NPROC) \
 		--master-port $${MASTER_PORT:-29517} -m megatron_pdm.train \
-		--config examples/tiny_cpu/config.yaml $(if $(SEED),--set seed=$(SEED)) $(ARGS)
+		--config examples/tiny_cpu/config.yaml --set checkpoint.allow_fresh_start=true \
+		$(if $(SEED),--set seed=$(SEED)) $(ARGS)
 
 # The megatron-facing tests also run on the newest megatron-core (MCORE_LATEST_TESTS, on Python
 # 3.12, venv .cache/py312-mcore019 built by scripts/check_mcore_latest.sh beside the other envs,
@@ -66,6 +69,7 @@ demo-vllm: $(STAMP) vllm-venv
 		--master-port $${MASTER_PORT:-29518} -m megatron_pdm.train \
 		--config examples/tiny_cpu/config.yaml --set rollout.engine=vllm \
 		--set "rollout.vllm.url={vllm_url}" --set output_dir=runs/tiny_cpu_vllm \
+		--set checkpoint.allow_fresh_start=true \
 		$(if $(SEED),--set seed=$(SEED)) $(ARGS)
 
 bench: $(STAMP)
