@@ -40,11 +40,16 @@ EXTRAS = {
     ],
 }
 
-# Console commands (each is also `python -m <module>`). The converters, verify and study tools
-# under tools/ are not in the package yet (`python tools/<name>.py` from a checkout).
+# Console commands (each is also `python -m <module>`; the mask study runs under torchrun:
+# `torchrun ... -m megatron_pdm.tools.analyze_masks`).
 CONSOLE_SCRIPTS = [
     "megatron-pdm-train = megatron_pdm.train.__main__:cli",
     "megatron-pdm-vllm-server = megatron_pdm.train.vllm_server:cli",
+    "megatron-pdm-make-tiny-hf = megatron_pdm.tools.make_tiny_hf:main",
+    "megatron-pdm-convert-hf-to-megatron = megatron_pdm.tools.convert_hf_to_megatron:main",
+    "megatron-pdm-convert-megatron-to-hf = megatron_pdm.tools.convert_megatron_to_hf:main",
+    "megatron-pdm-verify-conversion = megatron_pdm.tools.verify_conversion:main",
+    "megatron-pdm-analyze-masks = megatron_pdm.tools.analyze_masks:cli",
 ]
 
 setup(

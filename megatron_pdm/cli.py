@@ -1,7 +1,7 @@
 """Shared CLI behaviour: a user's configuration mistake prints as one clean line, not a traceback.
 
-Every entry point (`python -m megatron_pdm.train`, `megatron_pdm.train.compare`, `tools/*.py`)
-wraps its `main` in `run_cli`. A `ConfigError` (bad key, bad value, inconsistent settings, a
+Every entry point (`python -m megatron_pdm.train`, `megatron_pdm.train.compare`,
+`megatron_pdm.tools.*`) wraps its `main` in `run_cli`. A `ConfigError` (bad key, bad value, inconsistent settings, a
 layout that cannot work) is printed as `error: <message>` on stderr and the process exits with
 status 2. Under torchrun (WORLD_SIZE > 1) every rank prints its own line, prefixed `[rank N]`, flushed
 before it exits. Anything else

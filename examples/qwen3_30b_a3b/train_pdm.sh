@@ -6,9 +6,9 @@
 # Prerequisites:
 #   1. megatron-core >= 0.16 with transformer-engine, this package installed on every node;
 #   2. the HF checkpoint converted once (any layout; the dist checkpoint reshards on load):
-#        python tools/convert_hf_to_megatron.py --hf-dir Qwen3-30B-A3B --out $MCORE_CKPT \
+#        python -m megatron_pdm.tools.convert_hf_to_megatron --hf-dir Qwen3-30B-A3B --out $MCORE_CKPT \
 #            --tp 4 --ep 8 --key-style te
-#      and verified: python tools/verify_conversion.py --hf-dir ... --megatron-dir $MCORE_CKPT
+#      and verified: python -m megatron_pdm.tools.verify_conversion --hf-dir ... --megatron-dir $MCORE_CKPT
 #      ($MCORE_CKPT is Megatron-LM's --load layout: release/ + latest_checkpointed_iteration.txt);
 #   3. SGLang servers up at $SGLANG_URL serving the same weights (launch_sglang.sh, same
 #      $PDM_SGLANG_API_KEY), able to reach $MASTER_ADDR (weight sync over NCCL), or, with
@@ -65,7 +65,7 @@ PARALLEL_ARGS=(
 PRECISION_ARGS=(
     --set precision.params_dtype=bf16 --set rollout.rollout_precision=bf16
 )
-# checkpoint in/out (dist checkpoint written by tools/convert_hf_to_megatron.py)
+# checkpoint in/out (dist checkpoint written by megatron_pdm/tools/convert_hf_to_megatron.py)
 CHECKPOINT_ARGS=(
     --set "checkpoint.load_dir=${MCORE_CKPT}" --set checkpoint.save_interval=20
 )

@@ -17,7 +17,7 @@ Modules (one job each):
     summary.py        across seeds: pooled and mean rates, paired wins, bootstrap intervals
     plots.py          the PNGs (paired per-seed comparison, predicted vs realised, global term)
     report.py         JSON and Markdown outputs
-    study.py          the whole study (what tools/analyze_masks.py runs under torchrun)
+    study.py          the whole study (what megatron-pdm-analyze-masks runs under torchrun)
 
 The driver's opt-in rollout saver that feeds it lives in train/rollout_store.py (the driver
 may not import this package).

@@ -1,4 +1,4 @@
-"""The mask study over a run's checkpoint: what `tools/analyze_masks.py` runs under torchrun.
+"""The mask study over a run's checkpoint: what `megatron-pdm-analyze-masks` runs under torchrun.
 
 Setup (the driver's own building blocks): `Trainer(cfg)` builds the layout, the megatron model,
 the run's optimizer and rollout source from the run config; the chosen dist checkpoint is loaded
@@ -63,7 +63,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class StudyArgs:
-    """What the CLI passes (see tools/analyze_masks.py for the flags)."""
+    """What the CLI passes (see megatron_pdm/tools/analyze_masks.py for the flags)."""
 
     out_dir: str
     config: str | None = None

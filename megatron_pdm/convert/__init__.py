@@ -1,4 +1,5 @@
-"""HF Qwen3-MoE <-> megatron-core checkpoint conversion (library behind tools/convert_*.py).
+"""HF Qwen3-MoE <-> megatron-core checkpoint conversion (library behind the converter CLIs,
+megatron_pdm/tools/convert_*.py).
 
 - `mapping`: pure-torch name/shape mapping between HF tensors and canonical megatron tensors
   (QKV fusion per query group, [gate; up] fc1, router, q/k norms, vocab padding, expert layouts);

@@ -79,7 +79,7 @@ def weights_dir(path: str | Path) -> str:
         return str(top)
     raise FileNotFoundError(
         f"{top}: no dist checkpoint here: expected {TRACKER_FILE} (+ {RELEASE}/ or iter_*/) as "
-        f"written by tools/convert_hf_to_megatron.py, or {DIST_METADATA} of a dist checkpoint")
+        f"written by megatron-pdm-convert-hf-to-megatron, or {DIST_METADATA} of a dist checkpoint")
 
 
 def meta_dir(path: str | Path) -> Path:

@@ -367,7 +367,7 @@ class CheckpointConfig:
     """A run without --resume in an output_dir that already holds checkpoints moves them to
     `checkpoints.old-<k>` and starts fresh; false (default): such a start is refused."""
     load_dir: str | None = None
-    """Initial weights: a dist checkpoint written by tools/convert_hf_to_megatron.py (with its
+    """Initial weights: a dist checkpoint written by megatron-pdm-convert-hf-to-megatron (with its
     pdm_model.json), loaded at this run's layout. `--resume` from output_dir wins over it."""
     arch_from_load_dir: bool = False
     """Take the architecture from load_dir's pdm_model.json instead of the `model` section
@@ -395,7 +395,8 @@ class LogConfig:
     save_rollouts: int = 0
     """Keep the scored rollout batches of the last N iterations under `<output_dir>/rollouts/`
     (rank 0 writes `rollout_<iteration>.pt` and deletes older ones; read by
-    tools/analyze_masks.py). 0 = off. Size ~ response tokens x (9 (K+1) + 13) bytes per batch."""
+    megatron-pdm-analyze-masks). 0 = off. Size ~ response tokens x (9 (K+1) + 13) bytes per
+    batch."""
 
     def __post_init__(self) -> None:
         check_fields(self, "log")

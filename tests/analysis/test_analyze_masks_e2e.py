@@ -1,4 +1,5 @@
-"""tools/analyze_masks.py end to end on the tiny CPU model (2 gloo processes).
+"""`torchrun -m megatron_pdm.tools.analyze_masks` end to end on the tiny CPU model (2 gloo
+processes).
 
 One short driver run (TP=2, the default DistributedOptimizer, `log.save_rollouts=2`, a dense
 partial-credit reward so that a short warm-up already gives non-zero advantages) provides
@@ -42,7 +43,7 @@ RUN = ["log.save_rollouts=2",
 def _tool(run_dir: str, out: str, tp: int, *extra: str) -> None:
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     cmd = [torchrun, "--nproc-per-node", "2", "--master-port", str(_free_port()),
-           os.path.join(ROOT, "tools", "analyze_masks.py"), "--run-dir", run_dir,
+           "-m", "megatron_pdm.tools.analyze_masks", "--run-dir", run_dir,
            "--checkpoint", os.path.join(run_dir, "checkpoints", "iter_0000001"),
            "--batches", "saved", "--delta-kl", str(DELTA), "--out-dir", out,
            "--set", f"parallel.tp={tp}", *extra]

@@ -5,7 +5,8 @@ Multi-process (gloo) runs on CPU; the whole file takes ~1 minute on 2 cores.
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
+import os
 import json
 import sys
 from pathlib import Path
@@ -19,11 +20,7 @@ pytestmark = pytest.mark.slow
 
 
 def _tool(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module(f"megatron_pdm.tools.{name}")
 
 
 def _all_tensors(d: Path) -> dict:
@@ -164,14 +161,17 @@ def test_refuses_mis_shaped_and_tampered(tiny_hf, converted, tmp_path):
 
 
 def test_make_tiny_hf_tool_writes_the_readme_model(tiny_hf, tmp_path):
-    """`python tools/make_tiny_hf.py --out DIR` (the README's first conversion step) writes the
-    tiny model these tests convert: same config, bit-identical tensors for the same seed."""
+    """`python -m megatron_pdm.tools.make_tiny_hf --out DIR` (the first conversion step of
+    docs/conversion.md) writes the tiny model these tests convert: same config, bit-identical
+    tensors for the same seed."""
     import subprocess
 
     hf_dir, _, _ = tiny_hf
     out = tmp_path / "tiny_hf"
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "make_tiny_hf.py"), "--out",
-                           str(out)], capture_output=True, text=True, timeout=300, check=False)
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "megatron_pdm.tools.make_tiny_hf", "--out",
+                           str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "tiny random Qwen3-MoE" in proc.stdout
     config = json.loads((out / "config.json").read_text())

@@ -1,7 +1,7 @@
 """The driver on a converted checkpoint with SGLang rollouts (fake server over transformers).
 
 Setup (once per module): a tiny random HF Qwen3-MoE (tests/convert/conftest.py), converted with
-tools/convert_hf_to_megatron.py at TP=1 (vocab 1000 pads to 1024 at TP 1 and 2, so it loads at
+megatron-pdm-convert-hf-to-megatron at TP=1 (vocab 1000 pads to 1024 at TP 1 and 2, so it loads at
 TP=2). For every run a fresh fake SGLang server (tests/bridge/fake_sglang.py, HF mode: a
 transformers Qwen3MoeForCausalLM from the HF dir, reloaded on /update_weights_from_disk, items
 seeded by (prompt, sample index)) is started in its own process.
@@ -52,7 +52,7 @@ def converted(tmp_path_factory):
     model.save_pretrained(hf)
     mcore = root / "mcore"
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_hf_to_megatron.py"),
+    subprocess.run([sys.executable, "-m", "megatron_pdm.tools.convert_hf_to_megatron",
                     "--hf-dir", str(hf), "--out", str(mcore), "--tp", "1"], cwd=ROOT, env=env,
                    check=True, capture_output=True, timeout=180)
     return hf, mcore

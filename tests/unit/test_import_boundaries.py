@@ -2,10 +2,10 @@
 
 Two views of the same rule:
 
-* Static: every `import` / `from ... import` in every file of `megatron_pdm/`, `rollout_bridge/`
-  and `tools/` (module level and inside functions) is an edge between project units (`ops`,
-  `parallel`, `loss`, `mcore`, `train`, ..., the face `rollout_bridge` and its subpackages
-  `rb.core`, `rb.sglang`, `rb.vllm`, `rb.local`: core knows no engine, the engines do not import
+* Static: every `import` / `from ... import` in every file of `megatron_pdm/` (its CLIs in
+  `megatron_pdm/tools/`) and `rollout_bridge/` (module level and inside functions) is an edge
+  between project units (`ops`, `parallel`, `loss`, `mcore`, `train`, ..., the face
+  `rollout_bridge` and its subpackages `rb.core`, `rb.sglang`, `rb.vllm`, `rb.local`: core knows no engine, the engines do not import
   each other). Each unit may only depend on the units listed in ALLOWED: nothing points from a
   lower layer to an upper one. Inside the package, modules import modules, never names from the
   package face `megatron_pdm/__init__`.
@@ -74,8 +74,6 @@ def _unit(module: str) -> str | None:
     parts = module.split(".")
     if parts[0] == "rollout_bridge":
         return "rollout_bridge" if len(parts) == 1 else f"rb.{parts[1]}"
-    if parts[0] == "tools":
-        return "tools"
     if parts[0] != "megatron_pdm":
         return None
     return "face" if len(parts) == 1 else parts[1]
@@ -83,7 +81,7 @@ def _unit(module: str) -> str | None:
 
 def _files() -> list[pathlib.Path]:
     files = []
-    for sub in ("megatron_pdm", "rollout_bridge", "tools"):
+    for sub in ("megatron_pdm", "rollout_bridge"):
         files += sorted((ROOT / sub).rglob("*.py"))
     assert len(files) > 40
     return files

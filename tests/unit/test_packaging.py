@@ -75,3 +75,23 @@ def test_console_scripts_resolve_to_callables():
     for line in scripts:
         module, func = line.split("=", 1)[1].strip().split(":")
         assert callable(getattr(importlib.import_module(module), func)), line
+
+
+def test_every_tool_is_a_console_command_and_a_module():
+    """The converters, verify, tiny-model and study tools are inside the package (an installed
+    wheel can convert a checkpoint), each a console command over its module's entry point."""
+    import importlib
+
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    scripts = dict(
+        (s.split("=")[0].strip(), s.split("=", 1)[1].strip())
+        for s in next(ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+                      and n.targets[0].id == "CONSOLE_SCRIPTS"))
+    tools = {"make_tiny_hf": "main", "convert_hf_to_megatron": "main",
+             "convert_megatron_to_hf": "main", "verify_conversion": "main",
+             "analyze_masks": "cli"}
+    for name, func in tools.items():
+        command = "megatron-pdm-" + name.replace("_", "-")
+        assert scripts.get(command) == f"megatron_pdm.tools.{name}:{func}", command
+        assert callable(getattr(importlib.import_module(f"megatron_pdm.tools.{name}"), func))
+    assert not (ROOT / "tools").exists(), "tools/ moved to megatron_pdm/tools/"

@@ -1,6 +1,6 @@
 """Token-level mask study: does the predictive direction keep fewer unsafe updates?
 
-    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 tools/analyze_masks.py \
+    OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 -m megatron_pdm.tools.analyze_masks \
         --config examples/tiny_cpu/config.yaml --run-dir runs/tiny_cpu --out-dir runs/masks \
         [--checkpoint runs/tiny_cpu/checkpoints/iter_0000050] [--batches fresh|saved] \
         [--seeds 1 2 ... | --num-seeds 20] [--criteria ratio pdm-agg pdm-uniform pdm-exact]
@@ -25,13 +25,11 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 
 def parse_args(argv=None):
     from megatron_pdm.analysis.criteria import CRITERIA, DEFAULT_CRITERIA
 
-    p = argparse.ArgumentParser(prog="tools/analyze_masks.py", description=__doc__,
+    p = argparse.ArgumentParser(prog="megatron-pdm-analyze-masks", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="the run's config yaml (default: the one stored with the "
                                     "run's saved rollouts)")
@@ -92,7 +90,12 @@ def main(argv=None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def cli() -> int:
+    """Console-script entry point (setup.py `entry_points`): `main` with ConfigError handling."""
     from megatron_pdm.cli import run_cli
 
-    sys.exit(run_cli(main))
+    return run_cli(main)
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

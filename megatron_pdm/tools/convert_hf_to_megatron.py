@@ -1,11 +1,13 @@
 """Convert an HF Qwen3-MoE checkpoint into a megatron-core dist checkpoint at a TP/EP/PP layout.
 
-    python tools/convert_hf_to_megatron.py --hf-dir HF --out MCORE --tp 2 --ep 2 [--pp 1]
+    megatron-pdm-convert-hf-to-megatron --hf-dir HF --out MCORE --tp 2 --ep 2 [--pp 1]
+    (= python -m megatron_pdm.tools.convert_hf_to_megatron ...)
 
 Run as one process: it spawns the pp*lcm(tp, ep) gloo ranks the layout needs (CPU, one thread
 each). For large layouts spread over hosts, start it under torchrun with that many ranks instead
-(`torchrun --nnodes N --nproc-per-node M tools/convert_hf_to_megatron.py ...`); every rank reads
-only its own tensors. The checkpoint loads at any other layout with the same vocab padding.
+(`torchrun --nnodes N --nproc-per-node M -m megatron_pdm.tools.convert_hf_to_megatron ...`);
+every rank reads only its own tensors. The checkpoint loads at any other layout with the same
+vocab padding.
 
 MCORE is Megatron-LM's `--load` layout (megatron_pdm/convert/load_dir.py): the dist checkpoint
 in MCORE/release/ and the tracker MCORE/latest_checkpointed_iteration.txt ("release"), so
@@ -18,9 +20,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def convert_hf_to_megatron(
@@ -51,7 +50,7 @@ def convert_hf_to_megatron(
     return time.perf_counter() - start
 
 
-if __name__ == "__main__":
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
         "--hf-dir", required=True, help="HF checkpoint dir (config.json + safetensors)"
@@ -73,7 +72,7 @@ if __name__ == "__main__":
         choices=["local", "te"],
         help="pre-MLP norm key of the model that will load it (te = TE spec)",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     try:
         seconds = convert_hf_to_megatron(
             args.hf_dir,
@@ -87,3 +86,8 @@ if __name__ == "__main__":
     except (ValueError, FileNotFoundError) as exc:
         sys.exit(f"convert_hf_to_megatron: {exc}")
     print(f"wrote {args.out} (TP={args.tp} EP={args.ep} PP={args.pp}) in {seconds:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

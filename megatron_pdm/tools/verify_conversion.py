@@ -1,7 +1,8 @@
 """Compare an HF Qwen3-MoE model with its converted megatron-core checkpoint on the same prompts.
 
-    python tools/verify_conversion.py --hf-dir HF --megatron-dir MCORE --tp 2 --ep 1 \
+    megatron-pdm-verify-conversion --hf-dir HF --megatron-dir MCORE --tp 2 --ep 1 \
         [--num-prompts 4 --seq-len 32 --max-dlogit 1e-3 --max-kl 1e-6]
+    (= python -m megatron_pdm.tools.verify_conversion ...)
 
 The HF model runs with transformers (fp32 on CPU); the megatron checkpoint is loaded at the given
 layout (any TP/EP with PP=1; the checkpoint may have been written at another layout) in
@@ -18,8 +19,6 @@ import json
 import sys
 import tempfile
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def verify_conversion(
@@ -79,7 +78,7 @@ def verify_conversion(
     }
 
 
-if __name__ == "__main__":
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--hf-dir", required=True)
     parser.add_argument("--megatron-dir", required=True)
@@ -95,7 +94,7 @@ if __name__ == "__main__":
         help="fail above this max |dlogit| (fp32 conversions reach ~1e-5)",
     )
     parser.add_argument("--max-kl", type=float, default=1e-6, help="fail above this max KL")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     result = verify_conversion(
         args.hf_dir,
         args.megatron_dir,
@@ -113,3 +112,8 @@ if __name__ == "__main__":
             f"{args.max_dlogit:g} or max KL {result['max_kl']:.3g} > {args.max_kl:g})"
         )
     print("verify_conversion: OK")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

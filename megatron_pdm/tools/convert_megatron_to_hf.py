@@ -1,6 +1,7 @@
 """Convert a megatron-core dist checkpoint (written by convert_hf_to_megatron) to HF safetensors.
 
-    python tools/convert_megatron_to_hf.py --megatron-dir MCORE --out HF [--max-shard-size 5GB]
+    megatron-pdm-convert-megatron-to-hf --megatron-dir MCORE --out HF [--max-shard-size 5GB]
+    (= python -m megatron_pdm.tools.convert_megatron_to_hf ...)
 
 Works for a checkpoint saved at any TP/EP/PP: it reads one layer's global tensors at a time
 straight from the torch_dist files (one process, no model is built), strips the vocab padding,
@@ -12,9 +13,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def convert_megatron_to_hf(
@@ -41,7 +39,7 @@ def convert_megatron_to_hf(
     return summary
 
 
-if __name__ == "__main__":
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--megatron-dir", required=True, help="dist checkpoint dir")
     parser.add_argument("--out", required=True, help="output HF checkpoint dir")
@@ -53,7 +51,7 @@ if __name__ == "__main__":
     )
     parser.add_argument("--dtype", default="source", choices=["source", "fp32", "bf16", "fp16"])
     parser.add_argument("--max-shard-size", default="5GB", help="e.g. 5GB, 500MB")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     try:
         s = convert_megatron_to_hf(
             args.megatron_dir,
@@ -69,3 +67,8 @@ if __name__ == "__main__":
         f"{s['bytes'] / 1e6:.1f} MB, {s['expert_layout']} experts, {s['dtype']}, "
         f"{s['seconds']:.1f} s"
     )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

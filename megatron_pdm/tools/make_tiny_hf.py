@@ -1,9 +1,10 @@
 """Write the tiny random HF Qwen3-MoE of the conversion example in docs/conversion.md (no download).
 
-    python tools/make_tiny_hf.py --out ckpt/tiny_hf [--seed 0] [--expert-layout per_expert|fused]
+    megatron-pdm-make-tiny-hf --out ckpt/tiny_hf [--seed 0] [--expert-layout per_expert|fused]
+    (= python -m megatron_pdm.tools.make_tiny_hf ...)
 
 vocab 1000, hidden 64, 2 layers, 8 experts top-2 (megatron_pdm/convert/tiny.py); ~1 MB, a few
-seconds. Then: tools/convert_hf_to_megatron.py --hf-dir ckpt/tiny_hf --out ckpt/tiny_mcore ...
+seconds. Then: megatron-pdm-convert-hf-to-megatron --hf-dir ckpt/tiny_hf --out ckpt/tiny_mcore ...
 """
 
 from __future__ import annotations
@@ -11,9 +12,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def main(argv=None) -> int:
