@@ -390,7 +390,7 @@ def run_main(cfg: RunConfig, *, resume: bool) -> dict:
         os.makedirs(cfg.output_dir, exist_ok=True)
         moved = None if resume else resume_rules.move_aside(cfg)  # allow_fresh_start=true
         if moved:
-            log_rank0("fresh start: the old checkpoints were moved to %s", moved)
+            log_rank0("fresh start: the previous run was moved to %s", moved)
         cfg.save(os.path.join(cfg.output_dir, "config.yaml"))  # loads back with --config
     log_rank0("parallel layout: %s", current_parallel_info())
     result = trainer.run(resume=resume)
