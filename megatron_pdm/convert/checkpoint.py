@@ -25,7 +25,6 @@ the other so a checkpoint written on CPU with the local spec loads into the TE m
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import torch
@@ -33,10 +32,10 @@ import torch.distributed as dist
 
 from megatron_pdm.arch import Qwen3MoeArch
 from megatron_pdm.convert import load_dir as layout_dir
-from megatron_pdm.convert import mapping
+from megatron_pdm.convert import mapping, sharding
 from megatron_pdm.convert.hf_io import HFReader, read_hf_config
 
-META_FILE = "pdm_model.json"
+META_FILE = layout_dir.META_FILE  # re-exported: importers of checkpoint.META_FILE keep working
 KEY_STYLES = ("local", "te")
 _PRE_MLP_KEYS = {
     "local": "decoder.layers.mlp.linear_fc1.layer_norm_weight",
@@ -99,46 +98,29 @@ def build_local_model(arch, *, tp: int, ep: int, pp: int, params_dtype=torch.flo
     )
 
 
-_LOCAL_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-_LOCAL_EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
-
-
 def canonical_name(model, local_name: str) -> str:
     """Local parameter name of this rank -> canonical (global layer, global expert) name."""
     from megatron.core import parallel_state as ps
 
-    m = _LOCAL_LAYER_RE.match(local_name)
-    if m is None:
-        return local_name
-    layer = model.decoder.layers[int(m.group(1))]
-    rest = m.group(2)
-    e_m = _LOCAL_EXPERT_RE.match(rest)
-    if e_m is not None:
-        n_local = len(layer.mlp.experts.local_experts)
-        e = ps.get_expert_model_parallel_rank() * n_local + int(e_m.group(1))
-        rest = f"mlp.experts.local_experts.{e}.{e_m.group(2)}"
-    return f"decoder.layers.{layer.layer_number - 1}.{rest}"
+    ep = ps.get_expert_model_parallel_world_size()
+    return sharding.canonical_name(model, local_name,
+                                   experts_per_rank=(model.config.num_moe_experts or 0) // ep,
+                                   ep_rank=ps.get_expert_model_parallel_rank())
 
 
 def shard_of(name: str, full: torch.Tensor) -> torch.Tensor:
-    """This rank's part of the full canonical tensor `name` (TP dense, expert-TP experts)."""
+    """This rank's part of the full canonical tensor `name` (`sharding.RULES`: TP dense,
+    expert-TP experts)."""
     from megatron.core import parallel_state as ps
 
-    tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    if name.endswith("linear_fc1.weight") or name.endswith("linear_fc2.weight"):
-        etp, etp_rank = (
-            ps.get_expert_tensor_parallel_world_size(),
-            ps.get_expert_tensor_parallel_rank(),
-        )
-        if name.endswith("linear_fc1.weight"):  # [gate; up]: each rank gets [gate_r; up_r]
-            gate, up = full.chunk(2, dim=0)
-            return torch.cat([gate.chunk(etp, 0)[etp_rank], up.chunk(etp, 0)[etp_rank]], dim=0)
-        return full.chunk(etp, dim=1)[etp_rank]
-    if name.endswith("linear_qkv.weight"):
-        return full.chunk(tp, dim=0)[tp_rank]
-    if name.endswith("linear_proj.weight"):
-        return full.chunk(tp, dim=1)[tp_rank]
-    return full
+    rule = sharding.rule_for(name)
+    if rule.group == "etp":
+        count, index = (ps.get_expert_tensor_parallel_world_size(),
+                        ps.get_expert_tensor_parallel_rank())
+    else:
+        count, index = (ps.get_tensor_model_parallel_world_size(),
+                        ps.get_tensor_model_parallel_rank())
+    return sharding.shard(full, rule.split, index, count)
 
 
 def _vocab_rows(reader: HFReader, hf_name: str, arch, local_rows: int) -> torch.Tensor:

@@ -7,7 +7,8 @@ TP / EP / ETP / PP layout, one `mapping.hf_group_names` group at a time (embeddi
 layer, head), so at most one layer's full tensors exist at once, and converts each group with
 the same `mapping.hf_from_canonical` the checkpoint exporter uses.
 
-Who sends what (decided once per call from this rank's parameters):
+Who sends what (decided once per call from this rank's parameters; the split of each tensor
+is `sharding.RULES`, the table the checkpoint import cuts with):
   * a tensor split over TP (embedding and output rows, fused QKV rows, attention output
     columns) is sent by every TP rank of data-parallel rank 0;
   * an expert tensor is sent by every expert-TP rank of expert-data-parallel rank 0 (its EP rank
@@ -22,14 +23,14 @@ group in the same order, even when it receives nothing):
      the destination receives in that order, so the exchange cannot deadlock.
 
 Names: the local (CPU) spec and the Transformer Engine spec are both mapped onto megatron's
-canonical names (`canonical_local_name`); an unknown parameter name is an error, never skipped.
+canonical names (`sharding.canonical_local_name`); an unknown parameter name is an error, never
+skipped.
 
 Shape legend: V_pad padded vocab, H hidden, D head dim, I expert FFN width.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -37,18 +38,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_pdm.arch import Qwen3MoeArch
-from megatron_pdm.convert import mapping
+from megatron_pdm.convert import mapping, sharding
+from megatron_pdm.convert.sharding import canonical_local_name
 
 __all__ = ["ShardSpec", "canonical_local_name", "gather_hf_state_dict", "iter_hf_groups"]
-
-_TP_DIM0 = ("embedding.word_embeddings.weight", "output_layer.weight",
-            "self_attention.linear_qkv.weight")
-_TP_DIM1 = ("self_attention.linear_proj.weight",)
-_TE_EXPERT = re.compile(r"^(.*\.mlp\.experts\.)(linear_fc[12])\.weight(\d+)$")
-_TE_RENAMES = {
-    # TE fuses the input norm into the QKV linear; the local spec has a separate norm.
-    ".self_attention.linear_qkv.layer_norm_weight": ".input_layernorm.weight",
-}
 
 
 @dataclass(frozen=True)
@@ -71,41 +64,6 @@ class ShardSpec:
     dtype: str
 
 
-def canonical_local_name(name: str) -> str:
-    """A parameter name of either layer spec -> the local-spec name (same layer/expert indices).
-
-    TE's grouped experts `mlp.experts.linear_fc1.weight{j}` become
-    `mlp.experts.local_experts.{j}.linear_fc1.weight`; TE's QKV-fused input norm becomes
-    `input_layernorm.weight`. Local-spec names pass through.
-    """
-    m = _TE_EXPERT.match(name)
-    if m is not None:
-        return f"{m.group(1)}local_experts.{m.group(3)}.{m.group(2)}.weight"
-    for src, dst in _TE_RENAMES.items():
-        if name.endswith(src):
-            return name[: -len(src)] + dst
-    return name
-
-
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-_LOCAL_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
-
-
-def _canonical(module: torch.nn.Module, name: str, arch: Qwen3MoeArch, ep: int,
-               ep_rank: int) -> str:
-    """Local-spec name on this rank -> canonical name (global layer and expert indices)."""
-    m = _LAYER.match(name)
-    if m is None:
-        return name
-    layer = module.decoder.layers[int(m.group(1))]
-    rest = m.group(2)
-    e = _LOCAL_EXPERT.match(rest)
-    if e is not None:
-        global_expert = ep_rank * (arch.num_experts // ep) + int(e.group(1))
-        rest = f"mlp.experts.local_experts.{global_expert}.{e.group(2)}"
-    return f"decoder.layers.{layer.layer_number - 1}.{rest}"
-
-
 def _local_manifest(module: torch.nn.Module, arch: Qwen3MoeArch
                     ) -> dict[str, tuple[torch.Tensor, ShardSpec]]:
     """This rank's contributions: canonical name -> (local tensor, its shard spec)."""
@@ -121,27 +79,24 @@ def _local_manifest(module: torch.nn.Module, arch: Qwen3MoeArch
     known = set(mapping.canonical_shapes(arch))
     out: dict[str, tuple[torch.Tensor, ShardSpec]] = {}
     for local_name, param in module.named_parameters():
-        canon = _canonical(module, canonical_local_name(local_name), arch, ep, ep_rank)
+        canon = sharding.canonical_name(module, canonical_local_name(local_name),
+                                        experts_per_rank=arch.num_experts // ep, ep_rank=ep_rank)
         if canon not in known:
             raise KeyError(f"live export: parameter {local_name!r} (canonical {canon!r}) is not a "
                            "Qwen3-MoE tensor this exporter knows")
         tensor = param.detach()
-        if ".mlp.experts.local_experts." in canon:
-            if edp_rank != 0:
-                continue
-            split = "fc1" if canon.endswith("linear_fc1.weight") else "dim1"
-            spec = ShardSpec(split if etp > 1 else None, etp_rank, etp, tuple(tensor.shape),
-                             str(tensor.dtype))
-        elif canon.endswith(_TP_DIM0) or canon.endswith(_TP_DIM1):
-            if dp_rank != 0:
-                continue
-            split = "dim0" if canon.endswith(_TP_DIM0) else "dim1"
-            spec = ShardSpec(split if tp > 1 else None, tp_rank, tp, tuple(tensor.shape),
-                             str(tensor.dtype))
-        else:
+        rule = sharding.rule_for(canon)  # the same table the checkpoint import cuts with
+        if rule.group is None:  # replicated: TP rank 0 of data-parallel rank 0 sends it
             if dp_rank != 0 or tp_rank != 0:
                 continue
             spec = ShardSpec(None, 0, 1, tuple(tensor.shape), str(tensor.dtype))
+        else:  # split over (E)TP: every (E)TP rank of (expert-)data-parallel rank 0 sends
+            count, index, data_rank = ((etp, etp_rank, edp_rank) if rule.group == "etp"
+                                       else (tp, tp_rank, dp_rank))
+            if data_rank != 0:
+                continue
+            spec = ShardSpec(rule.split if count > 1 else None, index, count,
+                             tuple(tensor.shape), str(tensor.dtype))
         if canon in out:
             raise AssertionError(f"live export: two local parameters map to {canon}")
         out[canon] = (tensor, spec)
@@ -151,17 +106,9 @@ def _local_manifest(module: torch.nn.Module, arch: Qwen3MoeArch
 def _assemble(parts: list[tuple[ShardSpec, torch.Tensor]]) -> torch.Tensor:
     parts = sorted(parts, key=lambda p: p[0].index)
     spec = parts[0][0]
-    if spec.split is None:
-        return parts[0][1]
-    if len(parts) != spec.count:
+    if spec.split is not None and len(parts) != spec.count:
         raise AssertionError(f"live export: {len(parts)} of {spec.count} shards arrived")
-    if spec.split == "dim0":
-        return torch.cat([t for _, t in parts], dim=0)
-    if spec.split == "dim1":
-        return torch.cat([t for _, t in parts], dim=1)
-    gates = [t.chunk(2, dim=0)[0] for _, t in parts]  # fc1: each shard is [gate_r; up_r]
-    ups = [t.chunk(2, dim=0)[1] for _, t in parts]
-    return torch.cat(gates + ups, dim=0)
+    return sharding.assemble(spec.split, [t for _, t in parts])
 
 
 def iter_hf_groups(module: torch.nn.Module, arch: Qwen3MoeArch, *, dst: int = 0,

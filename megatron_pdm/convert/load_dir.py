@@ -35,6 +35,7 @@ from __future__ import annotations
 from pathlib import Path
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
+META_FILE = "pdm_model.json"  # our metadata beside the tracker (checkpoint.py writes it)
 RELEASE = "release"
 DIST_METADATA = "metadata.json"  # megatron.core.dist_checkpointing.core.CONFIG_FNAME
 
@@ -85,8 +86,6 @@ def weights_dir(path: str | Path) -> str:
 def meta_dir(path: str | Path) -> Path:
     """The directory holding pdm_model.json: `path` itself, or the top directory above an inner
     `release/` / `iter_*` directory."""
-    from megatron_pdm.convert.checkpoint import META_FILE
-
     top = Path(path)
     if (top / META_FILE).is_file():
         return top
