@@ -287,10 +287,12 @@ def folded_support(top_ids: np.ndarray, top_lp: np.ndarray, top_valid: np.ndarra
 def to_sample(sampled_ids, sampled_lp, ids_ts, lp_ts, valid_ts, reason: str,
               meta_info: dict) -> RolloutSample:
     """A `RolloutSample` from parsed arrays (prompt_ids empty: the caller fills them)."""
+    with np.errstate(over="ignore"):  # (a validated logprob fits fp32; unvalidated: +-inf)
+        behavior_lp = sampled_lp.astype(np.float32)
     return RolloutSample(
         prompt_ids=torch.empty(0, dtype=torch.int64),
         response_ids=torch.from_numpy(np.ascontiguousarray(sampled_ids, dtype=np.int64)),
-        behavior_logprob=torch.from_numpy(sampled_lp.astype(np.float32)),
+        behavior_logprob=torch.from_numpy(behavior_lp),
         support_ids=torch.from_numpy(ids_ts),
         support_logprobs=torch.from_numpy(lp_ts),
         support_valid=torch.from_numpy(valid_ts),

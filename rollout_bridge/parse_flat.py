@@ -84,11 +84,11 @@ def decode_flat_topk(meta: dict, sample_index: int = 0, side: str = "input"
     """
     try:
         shape = meta[f"{side}_top_logprobs_shape"]
-        if f"{side}_top_logprobs_val_flat_b64" in meta:
+        is_b64 = f"{side}_top_logprobs_val_flat_b64" in meta
+        if is_b64:
             val_b64 = meta[f"{side}_top_logprobs_val_flat_b64"]
             idx_b64 = meta[f"{side}_top_logprobs_idx_flat_b64"]
         else:
-            val_b64 = idx_b64 = None
             val_list = meta[f"{side}_top_logprobs_val_flat"]
             idx_list = meta[f"{side}_top_logprobs_idx_flat"]
     except KeyError as exc:
@@ -108,7 +108,7 @@ def decode_flat_topk(meta: dict, sample_index: int = 0, side: str = "input"
                                      "non-negative integer", sample_index)
     # row r of the arrays is output position null_prefix + r (prompt side: not a response position)
     base = null_prefix if side == "output" else None
-    if val_b64 is not None:
+    if is_b64:
         vals = _b64_array(meta, f"{side}_top_logprobs_val_flat_b64", val_b64, "float32",
                           _VAL_DTYPES, sample_index)
         idx = _b64_array(meta, f"{side}_top_logprobs_idx_flat_b64", idx_b64, "int32",
@@ -122,8 +122,9 @@ def decode_flat_topk(meta: dict, sample_index: int = 0, side: str = "input"
                 f"{rows}x{k}", sample_index)
         locate = (lambda j: (base + j // k, j % k)) if base is not None else \
             (lambda j: (None, j))
-        vals = floats(val_list, len(val_list), f"{prefix}_val_flat", sample_index,
-                      locate).astype(np.float32)
+        with np.errstate(over="ignore"):  # beyond fp32: +-inf, refused by the value checks
+            vals = floats(val_list, len(val_list), f"{prefix}_val_flat", sample_index,
+                          locate).astype(np.float32)
         idx = ints(idx_list, len(idx_list), f"{prefix}_idx_flat", sample_index, locate)
     if vals.size != rows * k or idx.size != rows * k:
         raise RolloutValidationError(

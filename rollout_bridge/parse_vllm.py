@@ -129,9 +129,10 @@ def _top_arrays(top: list, sampled_ids: np.ndarray, sampled_lp_raw: np.ndarray, 
     # vLLM writes both from the same Logprob object: the values are equal (NaN/null is
     # reported by the value checks)
     first_lp_t = lp_n[start_t]
-    differ_t = ~((first_lp_t == sampled_lp_raw) | np.isnan(sampled_lp_raw)
-                 | (np.abs(first_lp_t - sampled_lp_raw)
-                    <= _SAME_TOL * (1.0 + np.abs(sampled_lp_raw))))
+    with np.errstate(invalid="ignore", over="ignore"):  # (inf - inf: not close, not equal)
+        differ_t = ~((first_lp_t == sampled_lp_raw) | np.isnan(sampled_lp_raw)
+                     | (np.abs(first_lp_t - sampled_lp_raw)
+                        <= _SAME_TOL * (1.0 + np.abs(sampled_lp_raw))))
     if differ_t.any():
         p = first(differ_t)
         raise RolloutValidationError(

@@ -121,23 +121,25 @@ def fold_support(top_ids: np.ndarray, top_lp: np.ndarray, top_valid: np.ndarray,
     lp_ts = np.empty((t, k + 1), dtype=np.float32)
     valid_ts = np.empty((t, k + 1), dtype=bool)
     all_valid = bool(top_valid.all())
-    if all_valid:
-        ids_ts[:, :k] = top_ids
-        lp_ts[:, :k] = top_lp
-        valid_ts[:, :k] = True
-    else:
-        np.copyto(ids_ts[:, :k], np.where(top_valid, top_ids, 0), casting="unsafe")
-        np.copyto(lp_ts[:, :k], np.where(top_valid, top_lp, -np.inf), casting="unsafe")
-        valid_ts[:, :k] = top_valid
-    match_tk = top_ids == sampled_ids[:, None]
-    if not all_valid:
-        match_tk &= top_valid
-    rows, cols = np.nonzero(match_tk)
-    lp_ts[rows, cols] = sampled_lp[rows]
-    outside_t = ~match_tk.any(axis=1)
-    ids_ts[:, k] = np.where(outside_t, sampled_ids, 0)
-    lp_ts[:, k] = np.where(outside_t, sampled_lp, -np.inf)
-    valid_ts[:, k] = outside_t
+    # a logprob beyond fp32 becomes +-inf here (no warning): check_support refuses it
+    with np.errstate(over="ignore", invalid="ignore"):
+        if all_valid:
+            ids_ts[:, :k] = top_ids
+            lp_ts[:, :k] = top_lp
+            valid_ts[:, :k] = True
+        else:
+            np.copyto(ids_ts[:, :k], np.where(top_valid, top_ids, 0), casting="unsafe")
+            np.copyto(lp_ts[:, :k], np.where(top_valid, top_lp, -np.inf), casting="unsafe")
+            valid_ts[:, :k] = top_valid
+        match_tk = top_ids == sampled_ids[:, None]
+        if not all_valid:
+            match_tk &= top_valid
+        rows, cols = np.nonzero(match_tk)
+        lp_ts[rows, cols] = sampled_lp[rows]
+        outside_t = ~match_tk.any(axis=1)
+        ids_ts[:, k] = np.where(outside_t, sampled_ids, 0)
+        lp_ts[:, k] = np.where(outside_t, sampled_lp, -np.inf)
+        valid_ts[:, k] = outside_t
     return ids_ts, lp_ts, valid_ts, int(t - outside_t.sum())
 
 
