@@ -61,7 +61,7 @@ def make_bodies(t: int, k: int, vocab: int = 151936, prompt_len: int = 512, seed
                  ids_tk.astype("<i4").tobytes()).decode(),
              "input_top_logprobs_val_flat_b64_dtype": "float32",
              "input_top_logprobs_idx_flat_b64_dtype": "int32",
-             "input_top_logprobs_shape": [t, k], "input_top_logprobs_null_prefix": 0}
+             "input_top_logprobs_shape": [t, k], "input_top_logprobs_null_prefix": 1}
     scoring = orjson.dumps({"text": "", "output_ids": [], "meta_info": smeta})
     fmeta = {**meta,
              "output_top_logprobs_val_flat_b64": smeta["input_top_logprobs_val_flat_b64"],

@@ -15,12 +15,16 @@ Layout, width S = K + 1 per response token:
     valid=False, id 0 and logprob -inf. An invalid slot is never id 0 / logprob 0 (= prob. 1).
 
 Rules `check_support` enforces (row = token position; errors name row and slot):
+  * ids are arrays of an integer dtype, valid masks bool, logprobs float (nothing is cast);
   * valid ids in [0, vocab_size); no id twice among the valid slots of a row;
   * valid logprobs finite and <= `LOGPROB_SLACK` (a log-probability above 0 is corrupt);
   * sum of the row's valid probabilities <= 1 + `SUM_MU_TOLERANCE` (larger excesses mean a
     temperature or top-p mismatch between the engine and its reported logprobs, §6.6);
   * on every row with any valid slot, the sampled id is a valid entry (it was folded in);
   * when given, the sampled ids lie in [0, vocab_size) and the sampled logprobs are finite.
+
+`fold_support` narrows ids to int32 only after checking the exact values fit (an id 2**32 + 279
+would otherwise wrap to 279 and pass every later check).
 
 Host-side numpy (the bridge's hot path is numpy, and validation of torch inputs copies the small
 replicated [N, S] arrays to the host once).
@@ -55,7 +59,37 @@ class SupportError(ValueError):
             where.append(f"slot {slot}")
         super().__init__(f"{what}: {', '.join(where)}: {message}" if where else
                          f"{what}: {message}")
-        self.row, self.slot, self.detail = row, slot, message
+        self.row, self.slot, self.detail, self.what = row, slot, message, what
+
+
+_INT32 = np.iinfo(np.int32)
+
+
+def _check_dtypes(what_dtype: tuple[tuple[str, np.ndarray, str], ...]) -> None:
+    """Ids must be integer arrays and masks bool arrays: a float id (13.7) or a bool id is never
+    cast (the cast would truncate or turn True into id 1)."""
+    for what, arr, kinds in what_dtype:
+        if np.asarray(arr).dtype.kind not in kinds:
+            expected = "bool" if kinds == "b" else "an integer dtype"
+            raise SupportError(f"dtype {np.asarray(arr).dtype} is not {expected}", what=what)
+
+
+def _check_fits_int32(ids: np.ndarray, valid: np.ndarray | None, what: str) -> None:
+    """The int32 narrowing guard: an id outside int32 would wrap (2**32 + 279 -> 279)."""
+    if ids.dtype.itemsize <= 4 and ids.dtype.kind == "i":
+        return
+    bad = (ids < _INT32.min) | (ids > _INT32.max)
+    if valid is not None:
+        bad &= valid
+    if bad.any():
+        if bad.ndim > 1:
+            row, slot = _first_cell(bad)
+            value = ids[row, slot]
+        else:
+            row, slot = _first_row(bad), None
+            value = ids[row]
+        raise SupportError(f"id {int(value)} out of range: does not fit int32 (the support's "
+                           "dtype)", row, slot, what=what)
 
 
 def fold_support(top_ids: np.ndarray, top_lp: np.ndarray, top_valid: np.ndarray,
@@ -73,29 +107,39 @@ def fold_support(top_ids: np.ndarray, top_lp: np.ndarray, top_valid: np.ndarray,
     Returns:
         (support_ids [T, K+1] int32, support_logprobs [T, K+1] fp32, support_valid [T, K+1] bool,
         number of positions whose sampled token was inside the top-K).
+
+    Raises:
+        SupportError: an id array that is not of an integer dtype, or a valid top-K id or a
+            sampled id outside int32 (checked on the exact values, before narrowing).
     """
+    _check_dtypes((("support_ids", top_ids, "iu"), ("sampled_ids", sampled_ids, "iu"),
+                   ("support_valid", top_valid, "b")))
+    _check_fits_int32(top_ids, top_valid, "support_ids")
+    _check_fits_int32(sampled_ids, None, "sampled_ids")
     t, k = top_ids.shape
     ids_ts = np.empty((t, k + 1), dtype=np.int32)
     lp_ts = np.empty((t, k + 1), dtype=np.float32)
     valid_ts = np.empty((t, k + 1), dtype=bool)
     all_valid = bool(top_valid.all())
-    if all_valid:
-        ids_ts[:, :k] = top_ids
-        lp_ts[:, :k] = top_lp
-        valid_ts[:, :k] = True
-    else:
-        np.copyto(ids_ts[:, :k], np.where(top_valid, top_ids, 0), casting="unsafe")
-        np.copyto(lp_ts[:, :k], np.where(top_valid, top_lp, -np.inf), casting="unsafe")
-        valid_ts[:, :k] = top_valid
-    match_tk = top_ids == sampled_ids[:, None]
-    if not all_valid:
-        match_tk &= top_valid
-    rows, cols = np.nonzero(match_tk)
-    lp_ts[rows, cols] = sampled_lp[rows]
-    outside_t = ~match_tk.any(axis=1)
-    ids_ts[:, k] = np.where(outside_t, sampled_ids, 0)
-    lp_ts[:, k] = np.where(outside_t, sampled_lp, -np.inf)
-    valid_ts[:, k] = outside_t
+    # a logprob beyond fp32 becomes +-inf here (no warning): check_support refuses it
+    with np.errstate(over="ignore", invalid="ignore"):
+        if all_valid:
+            ids_ts[:, :k] = top_ids
+            lp_ts[:, :k] = top_lp
+            valid_ts[:, :k] = True
+        else:
+            np.copyto(ids_ts[:, :k], np.where(top_valid, top_ids, 0), casting="unsafe")
+            np.copyto(lp_ts[:, :k], np.where(top_valid, top_lp, -np.inf), casting="unsafe")
+            valid_ts[:, :k] = top_valid
+        match_tk = top_ids == sampled_ids[:, None]
+        if not all_valid:
+            match_tk &= top_valid
+        rows, cols = np.nonzero(match_tk)
+        lp_ts[rows, cols] = sampled_lp[rows]
+        outside_t = ~match_tk.any(axis=1)
+        ids_ts[:, k] = np.where(outside_t, sampled_ids, 0)
+        lp_ts[:, k] = np.where(outside_t, sampled_lp, -np.inf)
+        valid_ts[:, k] = outside_t
     return ids_ts, lp_ts, valid_ts, int(t - outside_t.sum())
 
 
@@ -119,6 +163,9 @@ def check_support(ids_ts: np.ndarray, lp_ts: np.ndarray, valid_ts: np.ndarray,
         vocab_size: engine vocabulary; None skips the upper range checks.
         sampled_lp: [T] sampled-token logprobs, checked when given.
     """
+    _check_dtypes((("support_ids", ids_ts, "iu"), ("sampled_ids", sampled_ids, "iu"),
+                   ("support_valid", valid_ts, "b"), ("support_logprobs", lp_ts, "f"))
+                  + (() if sampled_lp is None else (("sampled_logprobs", sampled_lp, "f"),)))
     t = ids_ts.shape[0]
     if t == 0:
         return

@@ -2,7 +2,7 @@
 
 What: `loads` (orjson with the cyclic GC paused, stdlib fallback for NaN/Infinity tokens),
 C-level list -> numpy conversions that name the bad entry, rank-order sorting of top-K rows, the
-`RolloutSample` constructor used by every parser, and `checked_support`, which runs the one
+`RolloutSample` constructor used by every parser, and `folded_support`, which runs the one
 support contract (`megatron_pdm.ops.support`) and reports a failure as a
 `RolloutValidationError` naming the sample and the token position.
 """
@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import itertools
 import json
+import reprlib
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -26,6 +29,8 @@ from rollout_bridge.core.types import RolloutSample, RolloutValidationError
 class MalformedResponseError(RolloutValidationError):
     """The body is not valid JSON or not a /generate response (retryable by the client)."""
 
+
+_chain = itertools.chain.from_iterable
 
 _GC_LOCK = threading.Lock()
 _GC_STATE = {"depth": 0, "was_enabled": False}
@@ -63,7 +68,8 @@ def loads(body: bytes | str) -> Any:
     """Decodes JSON with orjson, falling back to the stdlib for NaN/Infinity tokens.
 
     Raises:
-        MalformedResponseError: If the body is not JSON.
+        MalformedResponseError: If the body is not JSON (also: nested deeper than either decoder
+            allows, or an integer literal too long for the stdlib).
     """
     try:
         with gc_paused():
@@ -71,25 +77,152 @@ def loads(body: bytes | str) -> Any:
     except orjson.JSONDecodeError as exc:
         try:  # Python's json.dumps writes NaN / -Infinity, which orjson rejects.
             return json.loads(body)
-        except (ValueError, TypeError):
+        except (ValueError, TypeError, RecursionError):
             raise MalformedResponseError(f"malformed JSON: {exc}") from None
 
 
-def floats(items: list, count: int) -> np.ndarray:
-    """[count] float64 from a list of numbers; JSON null becomes NaN (caught by validation)."""
+_PREVIEW = reprlib.Repr()
+_PREVIEW.maxlevel, _PREVIEW.maxstring, _PREVIEW.maxother, _PREVIEW.maxlong = 3, 60, 60, 40
+
+
+def preview(value: Any) -> str:
+    """A short repr of any decoded JSON value (depth- and length-limited: no recursion, no
+    4000-digit integers in messages)."""
+    return _PREVIEW.repr(value)
+
+
+def text(value: Any) -> str:
+    """`str(value)` for a scalar, a short preview for a container (finish reasons, errors)."""
+    if value is None or isinstance(value, (str, int, float)):
+        return str(value) if not isinstance(value, int) or abs(value) < 10**30 else preview(value)
+    return preview(value)
+
+
+def _where(locate: Callable[[int], tuple[int | None, int | None]] | None, j: int
+           ) -> tuple[int | None, str]:
+    """(position, " slot s" text) of flat entry j (default: entry j is position j)."""
+    if locate is None:
+        return j, ""
+    position, slot = locate(j)
+    return position, "" if slot is None else f" slot {slot}"
+
+
+_NUMBER_TYPES = frozenset({float, int})
+_NULLABLE_NUMBER_TYPES = frozenset({float, int, type(None)})
+_INT64_MAX = 2**63
+
+
+def floats(items: list, count: int, what: str = "logprob", sample_index: int | None = None,
+           locate: Callable[[int], tuple[int | None, int | None]] | None = None) -> np.ndarray:
+    """[count] float64 from a list of JSON numbers; null becomes NaN (caught by validation).
+
+    Anything else (bool, string, list, object) is an error naming `what` and the entry: a string
+    "-2.6" or a `true` is never coerced to a number.
+
+    Raises:
+        RolloutValidationError: naming sample, position (via `locate`) and field.
+    """
+    _check_count(items, count, what, sample_index)
+    types = set(map(type, items))
+    if types <= _NUMBER_TYPES:
+        try:
+            return np.fromiter(items, dtype=np.float64, count=count)
+        except (OverflowError, ValueError):
+            pass
+    elif types <= _NULLABLE_NUMBER_TYPES:
+        try:
+            return np.array(items, dtype=np.float64)
+        except (OverflowError, ValueError):
+            pass
+    for j, x in enumerate(items):
+        kind = type(x)
+        if kind not in _NULLABLE_NUMBER_TYPES or (kind is int and not _fits_float(x)):
+            position, slot = _where(locate, j)
+            why = "is not a finite number" if kind is int else \
+                f"is {_type_name(x)}, not a number"
+            raise RolloutValidationError(f"{what}{slot}: logprob {preview(x)} {why}",
+                                         sample_index, position)
+    raise RolloutValidationError(f"{what}: entries are not numbers", sample_index)
+
+
+def _check_count(items: list, count: int, what: str, sample_index: int | None) -> None:
+    if len(items) != count:
+        raise RolloutValidationError(f"{what}: has {len(items)} entries, expected {count}",
+                                     sample_index)
+
+
+def ints(items: list, count: int, what: str, sample_index: int | None,
+         locate: Callable[[int], tuple[int | None, int | None]] | None = None) -> np.ndarray:
+    """[count] int64 from a list of JSON integers (token ids).
+
+    Only exact integers are ids: a float (13.7 or 13.0), a string ("13"), a bool or null is an
+    error, and so is an integer outside int64 (range checks against the vocabulary, and the int32
+    narrowing guard, run later on the exact values: `megatron_pdm.ops.support`).
+
+    Raises:
+        RolloutValidationError: naming sample, position (via `locate`) and field.
+    """
+    _check_count(items, count, what, sample_index)
+    if set(map(type, items)) <= {int}:
+        try:
+            return np.fromiter(items, dtype=np.int64, count=count)
+        except (OverflowError, ValueError):
+            pass
+    for j, x in enumerate(items):
+        if type(x) is not int or not -_INT64_MAX <= x < _INT64_MAX:
+            position, slot = _where(locate, j)
+            why = "out of range (does not fit int64)" if type(x) is int else \
+                f"is {_type_name(x)}, not an integer token id"
+            raise RolloutValidationError(f"{what}{slot}: id {preview(x)} {why}", sample_index,
+                                         position)
+    raise RolloutValidationError(f"{what}: entries are not integers", sample_index)
+
+
+def _fits_float(x: int) -> bool:
     try:
-        return np.fromiter(items, dtype=np.float64, count=count)
+        float(x)
+    except OverflowError:
+        return False
+    return True
+
+
+def _type_name(x: Any) -> str:
+    return {bool: "a bool", str: "a string", list: "a list", dict: "an object",
+            type(None): "null", float: "a float"}.get(type(x), type(x).__name__)
+
+
+def checked_list(value: Any, what: str, sample_index: int | None,
+                 position: int | None = None) -> list:
+    """`value` if it is a JSON array, else an error naming the field."""
+    if type(value) is not list:
+        raise RolloutValidationError(f"{what} is {_type_name(value)}, not a list", sample_index,
+                                     position)
+    return value
+
+
+def pairs(entries: list, what: str, sample_index: int | None,
+          locate: Callable[[int], tuple[int | None, int | None]] | None = None
+          ) -> tuple[list, list]:
+    """(logprobs, ids) of `[logprob, id, ...]` entries (SGLang's triples; 2 or more items).
+
+    Fast path: every entry has length 3 (one C-level pass), then the flattened list is sliced. A
+    length-3 string or object cannot pass unnoticed: its characters / keys land in the id and
+    logprob slices as strings, which `ints` / `floats` refuse.
+    """
+    try:
+        lens = set(map(len, entries))
     except TypeError:
-        return np.array(items, dtype=np.float64)
-
-
-def ints(items: list, count: int, what: str, sample_index: int) -> np.ndarray:
-    try:
-        return np.fromiter(items, dtype=np.int64, count=count)
-    except (TypeError, ValueError):
-        bad = next(i for i, x in enumerate(items) if not isinstance(x, int))
-        raise RolloutValidationError(f"non-integer token id {items[bad]!r} in {what}",
-                                     sample_index, bad) from None
+        lens = None
+    if lens == {3}:
+        flat = list(_chain(entries))
+        return flat[0::3], flat[1::3]
+    for j, entry in enumerate(entries):
+        if type(entry) is not list or len(entry) < 2:
+            position, slot = _where(locate, j)
+            raise RolloutValidationError(
+                f"{what}{slot}: entry {preview(entry)} is not a [logprob, id, ...] list",
+                sample_index, position)
+    return [entry[0] for entry in entries], [entry[1] for entry in entries]
 
 
 def first(mask: np.ndarray) -> int:
@@ -112,9 +245,9 @@ def check_topk_values(lp_tk: np.ndarray, present_tk: np.ndarray, sample_index: i
     bad_tk = present_tk & (np.isnan(lp_tk) | np.isposinf(lp_tk))
     if bad_tk.any():
         p = first(bad_tk)
-        value = lp_tk[p][bad_tk[p]][0]
-        raise RolloutValidationError(f"top-K logprob {value} (NaN, +inf or null)", sample_index,
-                                     p)
+        j = int(np.flatnonzero(bad_tk[p])[0])
+        raise RolloutValidationError(f"top-K entry {j}: logprob {lp_tk[p, j]} (NaN, +inf or "
+                                     "null)", sample_index, p)
     return present_tk & ~np.isneginf(lp_tk)
 
 
@@ -139,25 +272,27 @@ def folded_support(top_ids: np.ndarray, top_lp: np.ndarray, top_valid: np.ndarra
         (support_ids [T, S] int32, support_logprobs [T, S] fp32, support_valid [T, S] bool,
         number of positions whose sampled token was inside the top-K).
     """
-    ids_ts, lp_ts, valid_ts, n_in = fold_support(top_ids, top_lp, top_valid, sampled_ids,
-                                                 sampled_lp)
-    if validate:
-        try:
+    try:  # the int32 narrowing guard of fold_support runs even with validate=False
+        ids_ts, lp_ts, valid_ts, n_in = fold_support(top_ids, top_lp, top_valid, sampled_ids,
+                                                     sampled_lp)
+        if validate:
             check_support(ids_ts, lp_ts, valid_ts, sampled_ids, vocab_size, sampled_lp)
-        except SupportError as err:
-            raise RolloutValidationError(f"{err.detail}" + (
-                f" (slot {err.slot})" if err.slot is not None else ""), sample_index,
-                err.row) from None
+    except SupportError as err:
+        slot = "" if err.slot is None else f" slot {err.slot}"
+        raise RolloutValidationError(f"{err.what}{slot}: {err.detail}", sample_index,
+                                     err.row) from None
     return ids_ts, lp_ts, valid_ts, n_in
 
 
 def to_sample(sampled_ids, sampled_lp, ids_ts, lp_ts, valid_ts, reason: str,
               meta_info: dict) -> RolloutSample:
     """A `RolloutSample` from parsed arrays (prompt_ids empty: the caller fills them)."""
+    with np.errstate(over="ignore"):  # (a validated logprob fits fp32; unvalidated: +-inf)
+        behavior_lp = sampled_lp.astype(np.float32)
     return RolloutSample(
         prompt_ids=torch.empty(0, dtype=torch.int64),
         response_ids=torch.from_numpy(np.ascontiguousarray(sampled_ids, dtype=np.int64)),
-        behavior_logprob=torch.from_numpy(sampled_lp.astype(np.float32)),
+        behavior_logprob=torch.from_numpy(behavior_lp),
         support_ids=torch.from_numpy(ids_ts),
         support_logprobs=torch.from_numpy(lp_ts),
         support_valid=torch.from_numpy(valid_ts),

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -31,13 +32,17 @@ import numpy as np
 from rollout_bridge.core.decode import (
     MalformedResponseError,
     check_topk_values,
+    checked_list,
     first,
     floats,
     folded_support,
     gc_paused,
     ints,
     loads,
+    pairs,
+    preview,
     sort_rank_order,
+    text,
     to_sample,
 )
 from rollout_bridge.sglang.parse_flat import flat_output_top, has_flat_topk
@@ -50,34 +55,50 @@ logger = logging.getLogger(__name__)
 _chain = itertools.chain.from_iterable
 
 
+def _row_locator(lens_t: np.ndarray) -> Callable[[int], tuple[int, int]]:
+    """Flat entry j of ragged rows with lengths lens_t -> (position, slot); used on errors only."""
+    ends_t = np.cumsum(lens_t)
+
+    def locate(j: int) -> tuple[int, int]:
+        p = int(np.searchsorted(ends_t, j, side="right"))
+        return p, int(j - (ends_t[p] - lens_t[p]))
+    return locate
+
+
+_ROW_TYPES = frozenset({list, type(None)})
+_TOP = "meta_info.output_top_logprobs"
+
+
 def _parse_top(top: list, t: int, k: int, sample_index: int
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, int]]:
     """Nested `output_top_logprobs` [T][<=K][3] -> ([T,K] ids, [T,K] logprobs, [T,K] valid)."""
-    try:
-        lens_t = np.fromiter(map(len, top), dtype=np.int64, count=t)
-    except TypeError:  # null rows
+    if not set(map(type, top)) <= _ROW_TYPES:
+        p = next(p for p, row in enumerate(top) if type(row) not in _ROW_TYPES)
+        checked_list(top[p], f"{_TOP} row", sample_index, p)
+    if None in top:  # null rows (no top-K at that position)
         lens_t = np.array([0 if row is None else len(row) for row in top], dtype=np.int64)
+    else:
+        lens_t = np.fromiter(map(len, top), dtype=np.int64, count=t)
     stats = {"num_short_positions": int((lens_t < k).sum()),
              "num_missing_topk_slots": int(np.clip(k - lens_t, 0, None).sum()),
              "num_truncated_positions": int((lens_t > k).sum())}
     if stats["num_short_positions"] == 0 and stats["num_truncated_positions"] == 0:
-        flat = list(_chain(_chain(top)))
         n = t * k
-        if len(flat) == 3 * n:
-            ids_tk = ints(flat[1::3], n, "output_top_logprobs", sample_index).reshape(t, k)
-            lp_tk = floats(flat[0::3], n).reshape(t, k)
-            return ids_tk, lp_tk, np.ones((t, k), dtype=bool), stats
+        lp_n, id_n = pairs(list(_chain(top)), _TOP, sample_index,
+                           lambda j: (j // k, j % k))
+        ids_tk = ints(id_n, n, _TOP, sample_index, lambda j: (j // k, j % k)).reshape(t, k)
+        lp_tk = floats(lp_n, n, _TOP, sample_index, lambda j: (j // k, j % k)).reshape(t, k)
+        return ids_tk, lp_tk, np.ones((t, k), dtype=bool), stats
     # General path: ragged, null or over-long rows (still C-level flattening).
     lens_t = np.minimum(lens_t, k)
     rows = [row[:k] if row else () for row in top] if stats["num_truncated_positions"] else \
         [row or () for row in top]
     triples = list(_chain(rows))
     n = len(triples)
-    flat = list(_chain(triples))
-    if len(flat) != 3 * n:
-        flat = list(_chain((tr[0], tr[1], None) for tr in triples))
-    ids_n = ints(flat[1::3], n, "output_top_logprobs", sample_index)
-    lp_n = floats(flat[0::3], n)
+    locate = _row_locator(lens_t)
+    lp_list, id_list = pairs(triples, _TOP, sample_index, locate)
+    ids_n = ints(id_list, n, _TOP, sample_index, locate)
+    lp_n = floats(lp_list, n, _TOP, sample_index, locate)
     starts_t = np.cumsum(lens_t) - lens_t
     pos_n = np.repeat(np.arange(t), lens_t)
     slot_n = np.arange(n) - np.repeat(starts_t, lens_t)
@@ -93,8 +114,11 @@ def _parse_top(top: list, t: int, k: int, sample_index: int
 def _finish_reason(meta: dict) -> str:
     fr = meta.get("finish_reason")
     if isinstance(fr, dict):
-        return str(fr.get("type", "unknown"))
-    return "unknown" if fr is None else str(fr)
+        return text(fr.get("type", "unknown"))
+    return "unknown" if fr is None else text(fr)
+
+
+_OTL = "meta_info.output_token_logprobs"
 
 
 def _sampled(meta: dict, obj: dict, sample_index: int) -> tuple[np.ndarray, np.ndarray]:
@@ -103,14 +127,14 @@ def _sampled(meta: dict, obj: dict, sample_index: int) -> tuple[np.ndarray, np.n
     if otl is None:
         raise RolloutValidationError("missing meta_info.output_token_logprobs "
                                      "(request return_logprob=true)", sample_index)
+    otl = checked_list(otl, _OTL, sample_index)
     t = len(otl)
-    flat = list(_chain(otl))
-    if len(flat) != 3 * t:
-        flat = list(_chain((tr[0], tr[1], None) for tr in otl))
-    sampled_ids = ints(flat[1::3], t, "output_token_logprobs", sample_index)
-    sampled_lp = floats(flat[0::3], t)
+    lp_list, id_list = pairs(otl, _OTL, sample_index)
+    sampled_ids = ints(id_list, t, _OTL, sample_index)
+    sampled_lp = floats(lp_list, t, _OTL, sample_index)
     out_ids = obj.get("output_ids")
     if out_ids is not None:
+        out_ids = checked_list(out_ids, "output_ids", sample_index)
         if len(out_ids) != t:
             raise RolloutValidationError(
                 f"length mismatch: output_ids has {len(out_ids)} tokens, output_token_logprobs "
@@ -134,7 +158,7 @@ def parse_response_object(obj: Any, top_logprobs: int, vocab_size: int | None = 
     """Parses one decoded `/generate` response object (see `parse_generate_response`)."""
     if not isinstance(obj, dict) or not isinstance(obj.get("meta_info"), dict):
         raise MalformedResponseError("not a /generate response object (no meta_info): "
-                                     f"{str(obj)[:200]}", sample_index)
+                                     f"{preview(obj)}", sample_index)
     meta = obj["meta_info"]
     reason = _finish_reason(meta)
     sampled_ids, sampled_lp = _sampled(meta, obj, sample_index)
@@ -150,7 +174,7 @@ def parse_response_object(obj: Any, top_logprobs: int, vocab_size: int | None = 
             raise RolloutValidationError(
                 f"missing meta_info.output_top_logprobs with top_logprobs={top_logprobs} (request "
                 "top_logprobs_num)", sample_index, 0)
-        top = top or []
+        top = [] if top is None else checked_list(top, _TOP, sample_index)
         if len(top) != t:
             raise RolloutValidationError(
                 f"length mismatch: output_top_logprobs has {len(top)} positions, "
@@ -197,7 +221,7 @@ def parse_generate_response(body: bytes | str | dict | list, top_logprobs: int =
     with gc_paused():
         obj = loads(body) if isinstance(body, (bytes, bytearray, memoryview, str)) else body
         if isinstance(obj, dict) and "meta_info" not in obj and "error" in obj:
-            raise MalformedResponseError(f"server error response: {str(obj['error'])[:300]}")
+            raise MalformedResponseError(f"server error response: {text(obj['error'])[:300]}")
         objs = obj if isinstance(obj, list) else [obj]
         samples = [parse_response_object(o, top_logprobs, vocab_size, i, validate)
                    for i, o in enumerate(objs)]

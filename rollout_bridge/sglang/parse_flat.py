@@ -8,6 +8,8 @@ prefill-only scoring request to already parsed samples.
 
 from __future__ import annotations
 
+import binascii
+from typing import Any
 
 import numpy as np
 import pybase64
@@ -16,11 +18,13 @@ import torch
 from rollout_bridge.core.decode import (
     MalformedResponseError,
     check_topk_values,
+    checked_list,
     floats,
     folded_support,
     gc_paused,
     ints,
     loads,
+    preview,
     sort_rank_order,
 )
 from rollout_bridge.core.types import RolloutSample, RolloutValidationError
@@ -80,34 +84,79 @@ def decode_flat_topk(meta: dict, sample_index: int = 0, side: str = "input"
     """
     try:
         shape = meta[f"{side}_top_logprobs_shape"]
-        if f"{side}_top_logprobs_val_flat_b64" in meta:
+        is_b64 = f"{side}_top_logprobs_val_flat_b64" in meta
+        if is_b64:
             val_b64 = meta[f"{side}_top_logprobs_val_flat_b64"]
             idx_b64 = meta[f"{side}_top_logprobs_idx_flat_b64"]
         else:
-            val_b64 = idx_b64 = None
             val_list = meta[f"{side}_top_logprobs_val_flat"]
             idx_list = meta[f"{side}_top_logprobs_idx_flat"]
     except KeyError as exc:
         raise MalformedResponseError(
             f"response lacks {exc.args[0]} (request return_flat_raw_"
             f"{'output_' if side == 'output' else ''}top_logprobs)", sample_index) from None
-    rows, k = int(shape[0]), int(shape[1])
-    if val_b64 is not None:
-        val_name = meta.get(f"{side}_top_logprobs_val_flat_b64_dtype", "float32")
-        idx_name = meta.get(f"{side}_top_logprobs_idx_flat_b64_dtype", "int32")
-        val_dtype = np.dtype(val_name).newbyteorder("<")
-        idx_dtype = np.dtype(idx_name).newbyteorder("<")
-        vals = np.frombuffer(pybase64.b64decode(val_b64), dtype=val_dtype)
-        idx = np.frombuffer(pybase64.b64decode(idx_b64), dtype=idx_dtype)
+    prefix = f"meta_info.{side}_top_logprobs"
+    if type(shape) is not list or len(shape) != 2 or not all(
+            type(n) is int and 0 <= n < _MAX_DIM for n in shape):
+        raise RolloutValidationError(f"{prefix}_shape {preview(shape)} is not [rows, k] (two "
+                                     "non-negative integers)", sample_index)
+    rows, k = shape
+    null_prefix = meta.get(f"{side}_top_logprobs_null_prefix", 0)
+    null_prefix = 0 if null_prefix is None else null_prefix
+    if type(null_prefix) is not int or not 0 <= null_prefix < _MAX_DIM:
+        raise RolloutValidationError(f"{prefix}_null_prefix {preview(null_prefix)} is not a "
+                                     "non-negative integer", sample_index)
+    # row r of the arrays is output position null_prefix + r (prompt side: not a response position)
+    base = null_prefix if side == "output" else None
+    if is_b64:
+        vals = _b64_array(meta, f"{side}_top_logprobs_val_flat_b64", val_b64, "float32",
+                          _VAL_DTYPES, sample_index)
+        idx = _b64_array(meta, f"{side}_top_logprobs_idx_flat_b64", idx_b64, "int32",
+                         _IDX_DTYPES, sample_index)
     else:
-        vals = floats(val_list, len(val_list)).astype(np.float32)
-        idx = ints(idx_list, len(idx_list), f"{side}_top_logprobs_idx_flat", sample_index)
+        val_list = checked_list(val_list, f"{prefix}_val_flat", sample_index)
+        idx_list = checked_list(idx_list, f"{prefix}_idx_flat", sample_index)
+        if len(val_list) != rows * k or len(idx_list) != rows * k:
+            raise RolloutValidationError(
+                f"flat top-K has {len(val_list)} values / {len(idx_list)} ids, shape says "
+                f"{rows}x{k}", sample_index)
+        locate = (lambda j: (base + j // k, j % k)) if base is not None else \
+            (lambda j: (None, j))
+        with np.errstate(over="ignore"):  # beyond fp32: +-inf, refused by the value checks
+            vals = floats(val_list, len(val_list), f"{prefix}_val_flat", sample_index,
+                          locate).astype(np.float32)
+        idx = ints(idx_list, len(idx_list), f"{prefix}_idx_flat", sample_index, locate)
     if vals.size != rows * k or idx.size != rows * k:
         raise RolloutValidationError(
             f"flat top-K has {vals.size} values / {idx.size} ids, shape says {rows}x{k}",
             sample_index)
-    return vals.reshape(rows, k), idx.reshape(rows, k), int(meta.get(
-        f"{side}_top_logprobs_null_prefix", 0) or 0)
+    return vals.reshape(rows, k), idx.reshape(rows, k), null_prefix
+
+
+_MAX_DIM = 2**31
+_VAL_DTYPES = ("float32", "float16", "float64")
+_IDX_DTYPES = ("int32", "int64")
+
+
+def _b64_array(meta: dict, key: str, data: Any, default: str, allowed: tuple[str, ...],
+               sample_index: int) -> np.ndarray:
+    """One base64 flat array (little-endian `{key}_dtype`, one of `allowed`), without a copy."""
+    name = meta.get(f"{key}_dtype", default)
+    if name not in allowed:  # (SGLang sends float32 / int32)
+        raise RolloutValidationError(f"meta_info.{key}_dtype {preview(name)} is not one of "
+                                     f"{list(allowed)}", sample_index)
+    if type(data) is not str:
+        raise RolloutValidationError(f"meta_info.{key} is not a base64 string", sample_index)
+    try:
+        raw = pybase64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise RolloutValidationError(f"meta_info.{key} is not valid base64 (truncated or "
+                                     "corrupt)", sample_index) from None
+    dtype = np.dtype(name).newbyteorder("<")
+    if len(raw) % dtype.itemsize:
+        raise RolloutValidationError(f"meta_info.{key} has {len(raw)} bytes, not a whole "
+                                     f"number of {name}", sample_index)
+    return np.frombuffer(raw, dtype=dtype)
 
 
 def scoring_rows(prompt_len: int, num_response: int, logprob_start_len: int,
