@@ -368,8 +368,8 @@ class SGLangEngine:
                 results[i] = exc
             return
         for i, o in zip(todo, objs):
-            got = (o.get("meta_info") or {}).get("weight_version") if isinstance(o, dict) \
-                else None
+            meta = o.get("meta_info") if isinstance(o, dict) else None
+            got = meta.get("weight_version") if isinstance(meta, dict) else None
             want = results[i].meta_info.get("weight_version")
             if got != want:
                 results[i] = AttemptError("invalid", f"prompt {p} sample {items[i]}: scoring "

@@ -321,10 +321,9 @@ class VLLMEngine:
             err = AttemptError("malformed", f"expected {len(items)} choices, got {got}: "
                                 f"{str(obj)[:200]}")
             return [err] * len(items)
-        try:
-            choices = sorted(choices, key=lambda c: int(c["index"]))
-        except (KeyError, TypeError, ValueError):
+        if not all(isinstance(c, dict) and type(c.get("index")) is int for c in choices):
             return [AttemptError("malformed", "choices without an integer index")] * len(items)
+        choices = sorted(choices, key=lambda c: c["index"])
         results: list = []
         for idx, (j, choice) in enumerate(zip(items, choices)):
             try:

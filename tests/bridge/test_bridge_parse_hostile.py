@@ -26,8 +26,8 @@ from hypothesis import strategies as st
 
 from rollout_bridge import LocalEngine, RolloutValidationError, SGLangEngine, \
     parse_generate_response, parse_scoring_response
-from rollout_bridge.decode import MalformedResponseError, loads
-from rollout_bridge.parse_vllm import parse_completion_choice
+from rollout_bridge.core.decode import MalformedResponseError, loads
+from rollout_bridge.vllm.parse import parse_completion_choice
 
 V = 10
 K = 2
@@ -514,7 +514,7 @@ def test_sglang_engine_retries_then_reports_a_failure(server, name, mutate):
 def test_vllm_engine_reports_a_failure_for_a_hostile_choice():
     from fake_vllm import FakeVLLMServer
 
-    from rollout_bridge.vllm_client import VLLMEngine
+    from rollout_bridge.vllm.client import VLLMEngine
 
     srv = FakeVLLMServer(LocalEngine(TinyLM(seed=1), vocab_size=VOCAB, top_logprobs=5, seed=1,
                                      eos_token_id=3), api_key="k")
