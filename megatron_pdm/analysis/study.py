@@ -51,6 +51,8 @@ from megatron_pdm.mcore import checkpoint as ckpt
 from megatron_pdm.mcore import loss_adapter
 from megatron_pdm.mcore import optimizer as mopt
 from megatron_pdm.train import rollout_store
+from megatron_pdm.train import schedule as sched
+from megatron_pdm.train.model_setup import seq_multiple
 from megatron_pdm.train.config import RunConfig
 from megatron_pdm.train.schedule import optimizer_step
 from rollout_bridge.core.packing import pack_padded
@@ -167,44 +169,52 @@ def _fresh_batch(trainer, seed: int, iteration: int) -> RolloutBatch:
     return batch
 
 
-def _minibatches(trainer, batch: RolloutBatch, perm_seed: int, j: int):
-    """(the driver's micro-batches of minibatches 0..j-1 for this DP rank, those of minibatch j)."""
+def _minibatches(trainer, batch: RolloutBatch, seed: int, iteration: int, j: int):
+    """(the driver's micro-batches of minibatches 0..j-1 for this DP rank, those of minibatch j),
+    from the driver's own minibatch plan (train/schedule.py) for (seed, iteration)."""
     cfg = trainer.cfg
     packed = pack_padded(batch, group_advantages(batch), pad_id=trainer.task.pad_id,
-                         pad_to_multiple_of=cfg.parallel.tp)
-    g = torch.Generator().manual_seed(perm_seed)
-    chunks = torch.randperm(len(batch.samples), generator=g).chunk(
-        cfg.train.minibatches_per_iteration)
+                         pad_to_multiple_of=seq_multiple(cfg))
+    chunks = sched.minibatch_plan(seed, iteration, len(batch.samples),
+                                  cfg.train.minibatches_per_iteration)
     if j >= len(chunks):
         raise ConfigError(f"--minibatch {j}: the batch has only {len(chunks)} minibatches")
 
-    def mine(idx):  # as Trainer._dp_microbatches: this DP rank's slice, split into micro-batches
-        part = idx.chunk(trainer.info.dp_size)[trainer.info.dp_rank]
-        return [packed.select_rows(m) for m in part.chunk(cfg.train.microbatches_per_minibatch)
-                if len(m)]
+    def mine(idx):
+        return [packed.select_rows(m) for m in sched.dp_microbatches(
+            idx, dp_size=trainer.info.dp_size, dp_rank=trainer.info.dp_rank,
+            microbatches=cfg.train.microbatches_per_minibatch)]
 
     return [mine(c) for c in chunks[:j]], mine(chunks[j])
 
 
+def study_step_lrs(train_cfg, step0: int, j: int) -> list[float]:
+    """Learning rates of the driver's steps on minibatches 0..j of an iteration that starts at RL
+    optimizer step `step0`: the trainer's schedule (`train.lr` after `train.lr_warmup_steps`)."""
+    return [sched.rl_lr(train_cfg, step0 + k) for k in range(j + 1)]
+
+
 def _batches(a: StudyArgs, trainer, ckpt_iteration: int):
-    """Yields (seed label, batch, iteration, permutation seed) per study seed."""
+    """Yields (seed label, batch, iteration, plan seed) per study seed: the minibatches are
+    the driver's plan for (plan seed, iteration)."""
     cfg = trainer.cfg
     if a.batches == "fresh":
         for s in a.seeds:
             batch = _fresh_batch(trainer, s, ckpt_iteration)
-            yield s, batch, ckpt_iteration, s * 31 + ckpt_iteration  # the driver's permutation
+            yield s, batch, ckpt_iteration, s  # the driver's plan had the run used seed s
         return
     saved = rollout_store.list_rollouts(_rollouts_dir(a) or "")
     if not saved:
         raise ConfigError(f"--batches saved: no saved rollouts in {_rollouts_dir(a)}")
     for _, path in saved:
         batch, it, _ = rollout_store.load_rollout(path)
-        yield it, batch, it, cfg.seed * 31 + it  # the driver's own permutation
+        yield it, batch, it, cfg.seed  # the driver's own plan
 
 
 def _gather_setup(a, cfg, path, ckpt_iteration, trainer, j) -> dict:
     info = trainer.info
     return {"checkpoint": path, "checkpoint_iteration": ckpt_iteration,
+            "checkpoint_step": trainer.step,
             "batch_source": (f"fresh rollouts ({cfg.rollout.engine} engine), "
                              f"{cfg.rollout.prompts_per_iteration} prompts x "
                              f"{cfg.rollout.group_size} samples per seed" if a.batches == "fresh"
@@ -217,7 +227,7 @@ def _gather_setup(a, cfg, path, ckpt_iteration, trainer, j) -> dict:
             "optimizer": ("megatron DistributedOptimizer (Adam)"
                           if cfg.parallel.use_distributed_optimizer else "megatron Adam"),
             "adam_state": a.adam_state,
-            "lr": cfg.train.lr, "clip_grad": cfg.train.clip_grad, "run_loss": cfg.loss.name,
+            "lr": cfg.train.lr, "lr_warmup_steps": cfg.train.lr_warmup_steps, "clip_grad": cfg.train.clip_grad, "run_loss": cfg.loss.name,
             "ratio_cap": cfg.loss.ratio_cap, "torch_threads": torch.get_num_threads(),
             "device": "cuda" if torch.cuda.is_available() else "cpu",
             "run_config": cfg.to_dict()}
@@ -251,25 +261,30 @@ def run_study(a: StudyArgs) -> dict | None:
     t_start = time.time()
     trainer = Trainer(cfg)
     trainer.load_train_state(_load(path, trainer, a.adam_state))
-    mopt.set_lr(trainer.optimizer, cfg.train.lr)
     ckpt_iteration = trainer.iteration
+    step_lrs = study_step_lrs(cfg.train, trainer.step, j)  # the schedule's lr at each step
     if a.batches == "fresh":
         trainer.sync_weights()  # the engine samples from the checkpoint's weights
     start = snap_mod.take_snapshot(trainer.model, trainer.optimizer)
     keep_all = keep_all_config(cfg.loss)
     pp = cfg.parallel.pp
     per_seed, tokens, labels, staleness, seed_times = [], [], [], [], []
-    for label, batch, it, perm_seed in _batches(a, trainer, ckpt_iteration):
+    for label, batch, it, plan_seed in _batches(a, trainer, ckpt_iteration):
         t0 = time.time()
         snap_mod.restore_snapshot(start, trainer.model, trainer.optimizer)
         bad = verify_all_ranks(start, trainer.model, trainer.optimizer)
         if bad:
             raise RuntimeError(f"seed {label}: the checkpoint state is not restored bit-exactly "
                                f"({len(bad)} entries differ, first: {bad[:5]})")
-        earlier_mbs, study_mbs = _minibatches(trainer, batch, perm_seed, j)
-        for mbs in earlier_mbs:  # the driver's own steps before minibatch j, with the run's loss
+        earlier_mbs, study_mbs = _minibatches(trainer, batch, plan_seed, it, j)
+        applied = []
+        for k, mbs in enumerate(earlier_mbs):  # the driver's own steps before minibatch j
+            mopt.set_lr(trainer.optimizer, step_lrs[k])
+            applied.append(trainer.optimizer.param_groups[0]["lr"])
             optimizer_step(trainer.model, trainer.optimizer, mbs,
                            lambda mb: loss_adapter.make_loss_func(mb, cfg.loss), pp=pp)
+        mopt.set_lr(trainer.optimizer, step_lrs[j])  # the study's step: the run's lr there
+        applied.append(trainer.optimizer.param_groups[0]["lr"])
         probe = MegatronProbe(trainer.model, trainer.optimizer, study_mbs, criteria, pp=pp,
                               stats_dtype=stats_dtype)
         m = measure_seed(probe, criteria, keep_all, tol=a.tol)
@@ -295,7 +310,7 @@ def run_study(a: StudyArgs) -> dict | None:
     result = None
     if dist.get_rank() == 0:
         setup = _gather_setup(a, cfg, path, ckpt_iteration, trainer, j)
-        setup.update(seeds=labels, staleness=staleness, wall_s=wall,
+        setup.update(seeds=labels, staleness=staleness, wall_s=wall, lr_per_step=applied,
                      seconds_per_seed=sum(seed_times) / len(seed_times),
                      seed_seconds=seed_times)
         result = write_outputs(a, setup, per_seed, tokens, criteria, cfg.loss.ratio_cap)

@@ -60,6 +60,22 @@ def optimizer_step(model, optimizer, microbatches: list[MicroBatch],
     return store, float(grad_norm) if grad_norm is not None else float("nan")
 
 
+def minibatch_plan(seed: int, iteration: int, num_samples: int,
+                   num_minibatches: int) -> tuple[torch.Tensor, ...]:
+    """The driver's minibatches of one iteration: a permutation of the batch's sample indices
+    seeded by (seed, iteration), split into `num_minibatches` chunks `[~num_samples / m]`. The
+    trainer and the mask study both take their minibatches from here."""
+    g = torch.Generator().manual_seed(seed * 31 + iteration)
+    return torch.randperm(num_samples, generator=g).chunk(num_minibatches)
+
+
+def dp_microbatches(idx: torch.Tensor, *, dp_size: int, dp_rank: int,
+                    microbatches: int) -> list[torch.Tensor]:
+    """This DP rank's slice of a minibatch's sample indices, split into micro-batches."""
+    mine = idx.chunk(dp_size)[dp_rank]
+    return [m for m in mine.chunk(microbatches) if len(m)]
+
+
 def rl_lr(train_cfg, step: int) -> float:
     """Learning rate of RL optimizer step `step` (0-based): `train.lr` after a linear warm-up of
     `train.lr_warmup_steps` steps (step k uses lr * (k + 1) / lr_warmup_steps)."""

@@ -62,6 +62,7 @@ from megatron_pdm.train.logging_utils import (
     log_rank0,
     wandb_init_kwargs,
 )
+from megatron_pdm.train import schedule as sched
 from megatron_pdm.train.schedule import optimizer_step, reduce_step_metrics, rl_lr
 from megatron_pdm.train.task import build_task
 from rollout_bridge.core.packing import pack_padded
@@ -184,8 +185,8 @@ class Trainer:
 
     def _dp_microbatches(self, idx: torch.Tensor) -> list[torch.Tensor]:
         """This DP rank's slice of a minibatch, split into micro-batches."""
-        mine = idx.chunk(self.info.dp_size)[self.info.dp_rank]
-        return [m for m in mine.chunk(self.cfg.train.microbatches_per_minibatch) if len(m)]
+        return sched.dp_microbatches(idx, dp_size=self.info.dp_size, dp_rank=self.info.dp_rank,
+                                     microbatches=self.cfg.train.microbatches_per_minibatch)
 
     # ------------------------------------------------------------------ phases
 
@@ -255,9 +256,8 @@ class Trainer:
         packed = pack_padded(batch, group_advantages(batch), pad_id=self.task.pad_id,
                              pad_to_multiple_of=ms.seq_multiple(cfg))
         t_rollout = time.time() - t0
-        g = torch.Generator().manual_seed(cfg.seed * 31 + self.iteration)
-        minibatches = torch.randperm(len(batch.samples), generator=g).chunk(
-            cfg.train.minibatches_per_iteration)
+        minibatches = sched.minibatch_plan(cfg.seed, self.iteration, len(batch.samples),
+                                           cfg.train.minibatches_per_iteration)
         version = (float(batch.weight_version) if str(batch.weight_version).isdigit()
                    else float("nan"))
         staleness = self.iteration - version  # trainer weights = version str(self.iteration)

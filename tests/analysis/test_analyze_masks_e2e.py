@@ -109,6 +109,19 @@ def _flat(x, path=""):
     return {path: x}
 
 
+def test_study_steps_use_the_runs_learning_rate_schedule(outputs):
+    """Each optimizer step of the study (the driver's earlier minibatches and the study's own)
+    ran at the lr the trainer's schedule gives that step, read back from the optimizer."""
+    from megatron_pdm.analysis.study import study_step_lrs
+    from megatron_pdm.configtree import from_mapping
+    from megatron_pdm.train.config import RunConfig
+
+    setup = _results(outputs["default"])["setup"]
+    cfg = from_mapping(RunConfig, setup["run_config"])
+    want = study_step_lrs(cfg.train, setup["checkpoint_step"], setup["minibatch"])
+    assert setup["lr_per_step"] == pytest.approx(want, rel=1e-12)
+
+
 def test_tp2_equals_tp1(outputs):
     a, b = _results(outputs[2]), _results(outputs[1])
     assert (a["setup"]["tp"], a["setup"]["dp"]) == (2, 1)
