@@ -39,7 +39,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -51,15 +50,11 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "bridge")]
 
 import torch
 
+from megatron_pdm.netutil import free_port
+
 BUCKET_MB = 512
 QWEN3_30B = dict(hidden=2048, heads=32, kv_heads=4, head_dim=128, experts=128, moe_inter=768,
                  vocab=151936, layers=48)
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def qwen3_layer_shapes(i: int, c: dict = QWEN3_30B) -> list[tuple[str, tuple[int, ...]]]:
@@ -138,7 +133,7 @@ def bare_broadcast(sizes: list[int], receivers: int, reps: int, fresh: bool) -> 
 
     from rollout_bridge.sglang.broadcast import join_weight_update_group
 
-    port, world = _port(), receivers + 1
+    port, world = free_port(), receivers + 1
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_bare_receiver, args=(r + 1, world, port, sizes, reps, fresh))
              for r in range(receivers)]
@@ -169,7 +164,7 @@ def push_times(named, servers, reps: int, load_format: str | None = "flattened_b
     from rollout_bridge.sglang.broadcast import DistributedWeightSender, buckets
 
     client = SGLangEngine([s.url for s in servers], top_logprobs=1, timeout_s=600)
-    sender = DistributedWeightSender(client, master_address="127.0.0.1", master_port=_port(),
+    sender = DistributedWeightSender(client, master_address="127.0.0.1", master_port=free_port(),
                                      backend="gloo", bucket_bytes=BUCKET_MB << 20,
                                      load_format=load_format, timeout_s=600)
     sizes = [b.nbytes for b in buckets(named, BUCKET_MB << 20)]

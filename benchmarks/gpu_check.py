@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -288,10 +287,10 @@ PARTS = {"correctness": part_correctness, "no_host_sync": part_no_host_sync,
 
 def _single_rank_env() -> None:
     """torch.distributed env for a one-process world (a free port on loopback: one machine)."""
+    from megatron_pdm.netutil import free_port
+
     if "MASTER_PORT" not in os.environ:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
+        os.environ["MASTER_PORT"] = str(free_port())
     for key, value in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("WORLD_SIZE", "1"),
                        ("LOCAL_RANK", "0")):
         os.environ.setdefault(key, value)

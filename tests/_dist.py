@@ -9,17 +9,12 @@ The function must be importable at module level (spawn pickles it by reference).
 from __future__ import annotations
 
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megatron_pdm.netutil import free_port
 
 
 def _worker(rank: int, world_size: int, port: int, fn, args) -> None:
@@ -36,6 +31,6 @@ def _worker(rank: int, world_size: int, port: int, fn, args) -> None:
 def run_gloo(fn, world_size: int, *args) -> None:
     """Runs fn(rank, world_size, *args) on world_size gloo processes; raises on any failure."""
     mp.start_processes(
-        _worker, args=(world_size, _free_port(), fn, args), nprocs=world_size, join=True,
+        _worker, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True,
         start_method="spawn",
     )

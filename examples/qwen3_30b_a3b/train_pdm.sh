@@ -1,5 +1,9 @@
 #!/usr/bin/env bash
-# PDM RL on Qwen3-30B-A3B with megatron-core: multi-node torchrun, BF16, TP4 + SP, EP8.
+# PDM RL on Qwen3-30B-A3B with megatron-core: multi-node torchrun, TP4 + SP, EP8.
+# PRECISION=bf16 (the default): BF16 training and rollout weights. PRECISION=fp8: Transformer
+#   Engine FP8 (e4m3, blockwise scaling) training and FP8 rollout weights; needs Hopper+ GPUs and
+#   the TE spec (convert with --key-style te). train_pdm_fp8.sh runs this script with
+#   PRECISION=fp8; its header has the FP8 memory figures.
 #
 # Hardware: NNODES x 8 GPUs with >= 80 GB each (H100/H200), NVLink inside a node, InfiniBand
 #   between nodes; a separate pool of GPUs runs the SGLang rollout servers (launch_sglang.sh).
@@ -21,6 +25,8 @@
 #   world 8 (NNODES=1, DP2, micro-batch 4): weights 7.5, grads 15.0, optimizer 42.7, activations 2.6, logits 9.3 = 77.1 GiB
 # Check any layout first, on any machine (one process, no GPU, report on this console):
 #   NNODES=2 TP=4 EP=8 bash train_pdm.sh --dry-run
+# See the driver's arguments without running anything (no GPU, no torchrun, no checks):
+#   bash train_pdm.sh --print-args     (one per line, as passed to python -m megatron_pdm.train)
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -48,6 +54,7 @@ PROMPTS="${PROMPTS:-/data/prompts.jsonl}"
 SGLANG_URL="${SGLANG_URL:-http://127.0.0.1:30000}"
 WEIGHT_SYNC="${WEIGHT_SYNC:-distributed}"
 SEQ_LENGTH="${SEQ_LENGTH:-8192}"
+PRECISION="${PRECISION:-bf16}"  # bf16 | fp8 (selects PRECISION_ARGS below)
 LOG_DIR="${LOG_DIR:-runs/qwen3_30b_a3b_pdm.logs}"  # beside output_dir (a fresh start moves output_dir aside)
 
 # torchrun rendezvous: one process per GPU
@@ -61,10 +68,20 @@ PARALLEL_ARGS=(
     --set "parallel.tp=${TP}" --set "parallel.ep=${EP}" --set "parallel.pp=${PP}"
     --set parallel.use_distributed_optimizer=true
 )
-# precision: BF16 weights/activations, fp32 grads and Adam state, BF16 rollout weights
-PRECISION_ARGS=(
-    --set precision.params_dtype=bf16 --set rollout.rollout_precision=bf16
-)
+case "${PRECISION}" in
+    # BF16 weights/activations, fp32 grads and Adam state, BF16 rollout weights
+    bf16) PRECISION_ARGS=(
+        --set precision.params_dtype=bf16 --set rollout.rollout_precision=bf16
+    ) ;;
+    # TE FP8 e4m3 with blockwise (128x128) scaling for the linear layers, BF16 elsewhere, fp32
+    # grads and Adam state; rollout weights quantised to FP8 (blockwise) at every push (TE reads
+    # NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1 from the environment for FP32 block scales)
+    fp8) PRECISION_ARGS=(
+        --set precision.params_dtype=bf16 --set precision.fp8=e4m3 --set precision.fp8_recipe=blockwise
+        --set rollout.rollout_precision=fp8
+    ) ;;
+    *) echo "PRECISION=${PRECISION}: give bf16 or fp8" >&2; exit 2 ;;
+esac
 # checkpoint in/out (dist checkpoint written by megatron_pdm/tools/convert_hf_to_megatron.py)
 CHECKPOINT_ARGS=(
     --set "checkpoint.load_dir=${MCORE_CKPT}" --set checkpoint.save_interval=20
@@ -92,6 +109,21 @@ LOSS_ARGS=(
 MEMORY_ARGS=(
     --set train.recompute=full
 )
+
+RUN_ARGS=(
+    --config "${HERE}/pdm.yaml"
+    "${PARALLEL_ARGS[@]}" "${PRECISION_ARGS[@]}" "${CHECKPOINT_ARGS[@]}"
+    "${ROLLOUT_ARGS[@]}" "${DATA_ARGS[@]}" "${LOSS_ARGS[@]}" "${MEMORY_ARGS[@]}"
+)
+# --print-args: the driver's arguments, one per line, then stop (before any GPU, NCCL, MASTER_ADDR
+# check, torchrun or dry-run): what tests/e2e/test_driver_config.py reads
+for arg in "$@"; do
+    if [[ "${arg}" == "--print-args" ]]; then
+        printf '%s\n' "${RUN_ARGS[@]}"
+        for other in "$@"; do [[ "${other}" == "--print-args" ]] || printf '%s\n' "${other}"; done
+        exit 0
+    fi
+done
 
 # environment Megatron and TE read: CUDA_DEVICE_MAX_CONNECTIONS=1 keeps the TP/SP collectives
 # ordered ahead of the GEMMs they overlap with (megatron/core/tensor_parallel/layers.py warns
@@ -151,12 +183,6 @@ fi
 # the megatron-style model flags are informational for the driver (it builds from pdm.yaml's
 # model section, checked against $MCORE_CKPT/pdm_model.json); print them for the log
 echo "model: ${MODEL_ARGS[*]}"
-
-RUN_ARGS=(
-    --config "${HERE}/pdm.yaml"
-    "${PARALLEL_ARGS[@]}" "${PRECISION_ARGS[@]}" "${CHECKPOINT_ARGS[@]}"
-    "${ROLLOUT_ARGS[@]}" "${DATA_ARGS[@]}" "${LOSS_ARGS[@]}" "${MEMORY_ARGS[@]}"
-)
 
 # --dry-run: no torchrun, no GPU, no rendezvous. One process on this machine checks the layout of
 # the whole job (WORLD_SIZE = NNODES x GPUS_PER_NODE) and prints the per-GPU memory estimate here.

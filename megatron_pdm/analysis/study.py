@@ -32,6 +32,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -46,7 +47,7 @@ from megatron_pdm.analysis.criteria import (
 from megatron_pdm.analysis.megatron_probe import MegatronProbe, verify_all_ranks
 from megatron_pdm.analysis.seed_study import measure_seed, token_arrays
 from megatron_pdm.analysis.summary import summarize
-from megatron_pdm.configtree import ConfigError, apply_override
+from megatron_pdm.configtree import ConfigError, apply_override, check_fields
 from megatron_pdm.mcore import checkpoint as ckpt
 from megatron_pdm.mcore import loss_adapter
 from megatron_pdm.mcore import optimizer as mopt
@@ -65,14 +66,17 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class StudyArgs:
-    """What the CLI passes (see megatron_pdm/tools/analyze_masks.py for the flags)."""
+    """What the CLI passes (see megatron_pdm/tools/analyze_masks.py for the flags): a typed
+    section like the run config's (megatron_pdm/configtree.py): built directly or with
+    `from_mapping(StudyArgs, {...})`, every field is checked against its annotation on
+    construction, and a bad value is a ConfigError naming its key."""
 
     out_dir: str
     config: str | None = None
     overrides: list[str] = field(default_factory=list)
     run_dir: str | None = None
     checkpoint: str | None = None
-    batches: str = "fresh"
+    batches: Literal["fresh", "saved"] = "fresh"
     rollouts: str | None = None
     seeds: list[int] = field(default_factory=lambda: list(range(1, 21)))
     """fresh batches: the seeds (saved batches: every saved file is one seed)."""
@@ -83,10 +87,17 @@ class StudyArgs:
     tol: float = 0.0
     bootstrap_seed: int = 0
     plots: bool = True
-    stats_dtype: str = "fp64"
+    stats_dtype: Literal["fp64", "fp32"] = "fp64"
     """"fp64" or "fp32": dtype of the statistics in the evaluations (MegatronProbe)."""
-    adam_state: str = "checkpoint"
+    adam_state: Literal["checkpoint", "fresh"] = "checkpoint"
     """"checkpoint" (model + optimizer state) or "fresh" (model only; see `_load`)."""
+
+    def __post_init__(self):
+        check_fields(self)  # types and Literal members, converted like a parsed section
+        if not self.seeds:
+            raise ConfigError("seeds: at least one seed")
+        if self.minibatch is not None and self.minibatch < 0:
+            raise ConfigError(f"minibatch={self.minibatch}: must be >= 0")
 
 
 def _rollouts_dir(a: StudyArgs) -> str | None:
@@ -241,16 +252,8 @@ def run_study(a: StudyArgs) -> dict | None:
     """
     from megatron_pdm.train.trainer import Trainer
 
-    if a.batches not in ("fresh", "saved"):
-        raise ConfigError(f"--batches must be 'fresh' or 'saved', got {a.batches!r}")
-    if not a.seeds:
-        raise ConfigError("--seeds: at least one seed")
-    if a.adam_state not in ("checkpoint", "fresh"):
-        raise ConfigError(f"--adam-state must be 'checkpoint' or 'fresh', got {a.adam_state!r}")
-    dtypes = {"fp64": torch.float64, "fp32": torch.float32}
-    if a.stats_dtype not in dtypes:
-        raise ConfigError(f"--stats-dtype must be one of {list(dtypes)}, got {a.stats_dtype!r}")
-    stats_dtype = dtypes[a.stats_dtype]
+    # a.batches, a.seeds, a.adam_state, a.stats_dtype: checked by StudyArgs.__post_init__
+    stats_dtype = {"fp64": torch.float64, "fp32": torch.float32}[a.stats_dtype]
     cfg = resolve_config(a)
     path = _checkpoint_path(a)
     j = cfg.train.minibatches_per_iteration - 1 if a.minibatch is None else a.minibatch

@@ -12,21 +12,16 @@ Conversion moves weights only (no forward pass), so it always uses gloo, also on
 from __future__ import annotations
 
 import os
-import socket
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from megatron_pdm.netutil import free_port
+
 
 def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple) -> None:
@@ -67,11 +62,11 @@ def launch(fn: Callable, world_size: int, *args) -> None:
             dist.destroy_process_group()
         return
     if world_size == 1:
-        _entry(0, 1, _free_port(), fn, args)
+        _entry(0, 1, free_port(), fn, args)
         return
     import torch.multiprocessing as mp
 
-    mp.spawn(_entry, args=(world_size, _free_port(), fn, args), nprocs=world_size, join=True)
+    mp.spawn(_entry, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True)
 
 
 def init_model_parallel(tp: int, ep: int, pp: int) -> None:

@@ -20,26 +20,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 
+from megatron_pdm.netutil import free_port
 from megatron_pdm.train.logging_utils import read_metrics
 from megatron_pdm.train.report import plot_runs
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun(args: list[str], nproc: int, threads: int) -> None:
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    cmd = [torchrun, "--nproc-per-node", str(nproc), "--master-port", str(_free_port()),
+    cmd = [torchrun, "--nproc-per-node", str(nproc), "--master-port", str(free_port()),
            "-m", "megatron_pdm.train", *args]
     subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
 

@@ -38,21 +38,15 @@ import json
 import logging
 import os
 import shutil
-import socket
 import time
 
 import torch
 import torch.distributed as dist
 
+from megatron_pdm.netutil import free_port
 from megatron_pdm.train.server_rollout import ServerRollout
 
 logger = logging.getLogger(__name__)
-
-
-def _free_port(address: str) -> int:
-    with socket.socket() as s:
-        s.bind((address, 0))
-        return s.getsockname()[1]
 
 
 class SGLangRollout(ServerRollout):
@@ -94,7 +88,7 @@ class SGLangRollout(ServerRollout):
         if r.weight_sync.mode == "distributed":
             from rollout_bridge.sglang.broadcast import DistributedWeightSender
 
-            port = r.weight_sync.master_port or _free_port(r.weight_sync.master_addr)
+            port = r.weight_sync.master_port or free_port(r.weight_sync.master_addr)
             self.sender = DistributedWeightSender(
                 client, master_address=r.weight_sync.master_addr, master_port=port,
                 backend=r.weight_sync.backend, bucket_bytes=r.weight_sync.bucket_mb << 20,

@@ -41,7 +41,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -49,6 +48,8 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from megatron_pdm.netutil import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV_ENV = "VLLM_VENV"  # the vLLM venv's path, overriding the default below
@@ -121,12 +122,6 @@ def prepare_model_dir(arch, out_dir: str | os.PathLike, *, seed: int = 0,
     save_file({k: v.to(getattr(torch, dtype)).contiguous() for k, v in tensors.items()},
               str(out / "model.safetensors"))
     return out
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def check_bind_host(host: str) -> None:

@@ -29,7 +29,8 @@ import sys
 import numpy as np
 import pytest
 
-from tests.e2e._launch import ROOT, _free_port, launch
+from megatron_pdm.netutil import free_port
+from tests.e2e._launch import ROOT, launch
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 
@@ -42,7 +43,7 @@ RUN = ["log.save_rollouts=2",
 
 def _tool(run_dir: str, out: str, tp: int, *extra: str) -> None:
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    cmd = [torchrun, "--nproc-per-node", "2", "--master-port", str(_free_port()),
+    cmd = [torchrun, "--nproc-per-node", "2", "--master-port", str(free_port()),
            "-m", "megatron_pdm.tools.analyze_masks", "--run-dir", run_dir,
            "--checkpoint", os.path.join(run_dir, "checkpoints", "iter_0000001"),
            "--batches", "saved", "--delta-kl", str(DELTA), "--out-dir", out,

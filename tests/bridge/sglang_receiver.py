@@ -16,16 +16,11 @@ Two implementations of one interface (`init_group`, `receive`, `destroy`):
 
 from __future__ import annotations
 
-import socket
 from datetime import timedelta
 
 import torch
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megatron_pdm.netutil import free_port
 
 
 class MirrorReceiver:
@@ -114,7 +109,7 @@ class SGLangReceiver:
         )
 
         if not dist.is_initialized():  # WeightUpdater asserts a default group exists
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}",
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
                                     world_size=1, rank=0)
         self.wu = WeightUpdater(tp_rank=tp_rank, device="cpu", gpu_id=0, model_config=None,
                                 custom_weight_loaders={}, get_model=lambda: None,

@@ -13,25 +13,19 @@ from __future__ import annotations
 
 import os
 import secrets
-import socket
 
 import pytest
 import torch
 from conftest import VOCAB, TinyLM, prompts
 from fake_proc import FakeServerProcess
 
+from megatron_pdm.netutil import free_port
 from rollout_bridge import SGLangEngine, WeightSyncError
 from rollout_bridge.sglang.broadcast import DistributedWeightSender, buckets
 from rollout_bridge.core.weights import state_digest
 
 pytestmark = pytest.mark.slow
 KEY_ENV = "PDM_TEST_SGLANG_KEY"
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +68,7 @@ def test_one_push_reaches_both_servers_bit_exactly(two_servers, load_format):
     client = SGLangEngine([s.url for s in servers], top_logprobs=5, vocab_size=VOCAB,
                           api_key=key, timeout_s=30)
     client.check_server()
-    sender = DistributedWeightSender(client, master_address="127.0.0.1", master_port=_port(),
+    sender = DistributedWeightSender(client, master_address="127.0.0.1", master_port=free_port(),
                                      backend="gloo", bucket_bytes=4096, load_format=load_format,
                                      timeout_s=120)
     try:
@@ -98,7 +92,7 @@ def test_failed_bucket_resumes_generation_and_next_push_works(two_servers):
     servers, key = two_servers
     client = SGLangEngine([s.url for s in servers], top_logprobs=5, vocab_size=VOCAB,
                           api_key=key, timeout_s=30)
-    sender = DistributedWeightSender(client, master_address="127.0.0.1", master_port=_port(),
+    sender = DistributedWeightSender(client, master_address="127.0.0.1", master_port=free_port(),
                                      backend="gloo", bucket_bytes=1 << 20, timeout_s=120)
     try:
         bad = _weights(3) + [("no.such.weight", torch.zeros(3))]
@@ -118,7 +112,7 @@ def test_failed_bucket_resumes_generation_and_next_push_works(two_servers):
 def test_without_the_api_key_nothing_is_accepted(two_servers):
     servers, _ = two_servers
     client = SGLangEngine([s.url for s in servers], top_logprobs=5, timeout_s=30)
-    sender = DistributedWeightSender(client, master_address="127.0.0.1", master_port=_port(),
+    sender = DistributedWeightSender(client, master_address="127.0.0.1", master_port=free_port(),
                                      backend="gloo", server_tp_sizes=[1, 1], timeout_s=20)
     with pytest.raises(WeightSyncError, match="401"):
         sender.push(iter(_weights(5)), "evil")
@@ -130,7 +124,7 @@ def test_two_senders_in_one_process_get_their_own_groups(two_servers):
     servers, key = two_servers
     client = SGLangEngine([s.url for s in servers], top_logprobs=5, api_key=key, timeout_s=30)
     first, second = (DistributedWeightSender(client, master_address="127.0.0.1",
-                                             master_port=_port(), backend="gloo", timeout_s=120)
+                                             master_port=free_port(), backend="gloo", timeout_s=120)
                      for _ in range(2))
     first.push(iter(_weights(9)), "w1")
     second.push(iter(_weights(10)), "w2")  # `first` still holds its group

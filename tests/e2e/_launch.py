@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
+
+from megatron_pdm.netutil import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(ROOT, "examples", "tiny_cpu", "config.yaml")
@@ -19,17 +20,11 @@ SHORT = [
 ]
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def command(output_dir: str, overrides: list[str], extra: list[str] = (),
             nproc: int = 2) -> tuple[list[str], dict]:
     """The torchrun command line and environment of a short trainer run."""
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    cmd = [torchrun, "--nproc-per-node", str(nproc), "--master-port", str(_free_port()),
+    cmd = [torchrun, "--nproc-per-node", str(nproc), "--master-port", str(free_port()),
            "-m", "megatron_pdm.train", "--config", CONFIG, "--output-dir", output_dir]
     for item in SHORT + list(overrides):
         cmd += ["--set", item]

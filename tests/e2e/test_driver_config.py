@@ -3,9 +3,12 @@ mapping, refusals, checkpoint-arch checks and the jsonl task (fast, single proce
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import re
-import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,20 +21,49 @@ EXAMPLE = ROOT / "examples" / "qwen3_30b_a3b"
 TINY = ROOT / "examples" / "tiny_cpu" / "config.yaml"
 
 
+def script_args(name: str, env: dict | None = None) -> list[str]:
+    """The driver arguments a cluster script passes, as the script itself prints them
+    (`--print-args`: it stops before any GPU, NCCL or MASTER_ADDR check), under `env` only."""
+    return list(_script_args(name, tuple(sorted((env or {}).items()))))
+
+
+@functools.lru_cache(maxsize=None)
+def _script_args(name: str, env: tuple) -> tuple[str, ...]:
+    run_env = {"PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""),
+               "PYTHONPATH": str(ROOT), "PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
+               **dict(env)}
+    proc = subprocess.run(["bash", str(EXAMPLE / name), "--print-args"], cwd=str(ROOT),
+                          env=run_env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, (name, env, proc.stderr[-3000:])
+    return tuple(proc.stdout.splitlines())
+
+
 def script_overrides(name: str, env: dict | None = None) -> list[str]:
-    """Every `--set KEY=VALUE` a cluster script passes, with its ${VAR:-default} expanded."""
-    text = (EXAMPLE / name).read_text()
-    defaults = dict(re.findall(r'^(\w+)="\$\{\w+:-([^}]*)\}"$', text, re.M))
-    defaults.update(env or {})
-    out = []
-    for line in text.splitlines():
-        if line.lstrip().startswith("#") or "--set" not in line:
-            continue
-        tokens = shlex.split(line.rstrip().rstrip("\\"), comments=True)
-        for i, tok in enumerate(tokens[:-1]):
-            if tok == "--set":
-                out.append(re.sub(r"\$\{(\w+)\}", lambda m: defaults[m.group(1)], tokens[i + 1]))
-    return out
+    """Every `--set KEY=VALUE` a cluster script passes to the driver."""
+    args = script_args(name, env)
+    return [args[i + 1] for i, tok in enumerate(args[:-1]) if tok == "--set"]
+
+
+def test_print_args_is_the_driver_command_line_and_runs_no_check():
+    """`--print-args` stops before the checks a real start makes: with PRECISION=fp8 on a machine
+    without CUDA, NNODES=2 and no MASTER_ADDR, each of them would refuse (exit 2)."""
+    args = script_args("train_pdm_fp8.sh", {"NNODES": "2"})
+    assert args[:2] == ["--config", str(EXAMPLE / "pdm.yaml")]
+    assert args == script_args("train_pdm.sh", {"NNODES": "2", "PRECISION": "fp8"})
+    bf16 = script_overrides("train_pdm.sh")
+    assert "precision.fp8=e4m3" not in bf16 and "rollout.rollout_precision=bf16" in bf16
+    assert script_overrides("train_pdm.sh", {"TP": "2", "SEQ_LENGTH": "4096"})[:1] == [
+        "parallel.tp=2"]
+    assert "rollout.max_sequence_length=4096" in script_overrides(
+        "train_pdm.sh", {"SEQ_LENGTH": "4096"})
+
+
+def test_unknown_precision_is_refused():
+    proc = subprocess.run(["bash", str(EXAMPLE / "train_pdm.sh"), "--print-args"], cwd=str(ROOT),
+                          env={"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(ROOT),
+                               "PYTHON": sys.executable, "PRECISION": "fp16"},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "PRECISION=fp16: give bf16 or fp8" in proc.stderr
 
 
 @pytest.mark.parametrize("script", ["train_pdm.sh", "train_pdm_fp8.sh"])
@@ -186,10 +218,7 @@ def _dry_run_figures(script: str, world: int, monkeypatch, capsys) -> dict:
 def test_script_dry_run_runs_on_this_machine_and_prints_here(script, nnodes):
     """`bash train_pdm.sh --dry-run` as its header says: no rendezvous (it hung waiting for a
     second node), the report on this console (it went to a per-rank log file)."""
-    import os
     import signal
-    import subprocess
-    import sys
 
     env = {k: v for k, v in os.environ.items() if k not in ("NNODES", "WORLD_SIZE", "RANK")}
     env.update(PATH=os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", ""),

@@ -34,7 +34,6 @@ import asyncio
 import json
 import os
 import queue
-import socket
 import sys
 import threading
 import time
@@ -45,13 +44,9 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "bridge"), os.path.dirname(__f
 
 import torch
 
+from megatron_pdm.netutil import free_port
+
 VOCAB = 50
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_model_dir(path: str) -> str:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import socket
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 from fake_proc import FakeServerProcess
 
+from megatron_pdm.netutil import free_port
 from rollout_bridge import EngineMismatchError, SGLangEngine
 from rollout_bridge.sglang.broadcast import DistributedWeightSender
 from rollout_bridge.core.weights import state_digest
@@ -30,12 +30,6 @@ _bridge = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_bridge)
 TinyLM = _bridge.TinyLM
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11]]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _client(box, **kw) -> SGLangEngine:
@@ -85,7 +79,7 @@ def test_push_into_sglangs_weight_updater_and_the_mirror_bit_exactly(box, tmp_pa
         client = SGLangEngine([box.url, mirror.url], top_logprobs=4, vocab_size=VOCAB,
                               api_key=box.key, timeout_s=300)
         sender = DistributedWeightSender(client, master_address="127.0.0.1",
-                                         master_port=_port(), backend="gloo",
+                                         master_port=free_port(), backend="gloo",
                                          bucket_bytes=8192, timeout_s=300)
         for version, seed, fmt in (("7", 11, "flattened_bucket"), ("8", 12, None)):
             sender.load_format = fmt
