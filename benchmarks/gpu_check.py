@@ -252,14 +252,16 @@ def part_optimizer_step(sz: dict) -> dict:
     tokens = torch.randint(0, arch.vocab_size, (1, s), generator=gen).to(dev)
     fake_logits = torch.randn(s, arch.vocab_size, generator=gen).to(dev)
     flat = synthetic_rollout(fake_logits, top_k=20, vocab_size=arch.vocab_size)
-    mb = SimpleNamespace(
+    from rollout_bridge import PackedBatch
+
+    mb = PackedBatch(  # the driver's batch type (its forward step moves it to the device)
         tokens=tokens, position_ids=torch.arange(s, device=dev)[None],
         labels=flat["sampled_ids"][None], loss_mask=flat["loss_mask"][None],
         behavior_logprob=flat["behavior_logprob"][None], support_ids=flat["support_ids"][None],
         support_logprobs=flat["support_logprobs"][None],
         support_valid=flat["support_valid"][None], advantages=flat["advantages"][None],
         seq_ids=torch.zeros(1, s, dtype=torch.long, device=dev), temperature=1.0,
-        vocab_size=arch.vocab_size, validated=False)
+        weight_version=None, vocab_size=arch.vocab_size, validated=False)
     before = {n: p.detach().float().clone() for n, p in model.named_parameters()}
     cuda = dev.type == "cuda"
     if cuda:
