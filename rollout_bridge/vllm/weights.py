@@ -147,7 +147,8 @@ class VLLMWeightSync:
             await self.http.request(session, "POST", "/pause",
                                 params={"mode": self.pause_mode, "clear_cache": "true"})
         except AttemptError as exc:
-            raise WeightSyncError(f"pause before the weight push failed: {exc}") from None
+            raise WeightSyncError(f"vLLM server {self.http.base_url}: pause before the weight push "
+                                  f"failed: {exc}") from None
         error: str | None = None
         results: list = []
         try:
@@ -177,7 +178,8 @@ class VLLMWeightSync:
                 error = f"server reports weight version {got!r} after pushing {version!r}"
         if error is not None:
             self.control.known_version = None
-            raise WeightSyncError(f"vLLM weight push of version {version} failed: {error}")
+            raise WeightSyncError(f"vLLM weight push of version {version} failed "
+                                  f"({self.http.base_url}): {error}")
         self.control.known_version = version
         with self._lock:
             self._last_push = ((b64, digest, version)

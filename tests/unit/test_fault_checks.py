@@ -19,6 +19,9 @@ CLEAR = [
     "WeightSyncError: vLLM weight push of version 3 failed: POST /pause: ServerDisconnectedError: "
     "Server disconnected",
     "EngineMismatchError: http://127.0.0.1:41234 is not healthy: GET /health: ClientConnectorError",
+    # the kill lands on the pause that frames a weight push
+    "WeightSyncError: vLLM server http://127.0.0.1:41234: pause before the weight push failed: "
+    "POST /pause: ServerDisconnectedError: Server disconnected",
     "RolloutFailedError: 32 rollout(s) failed: prompt 0/0 (http://127.0.0.1:41234 is unreachable "
     "(health check failed))",
 ]
