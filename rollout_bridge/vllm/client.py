@@ -145,6 +145,9 @@ class VLLMEngine:
         self.allow_truncated_sampling = allow_truncated_sampling
         self.raise_on_failure = raise_on_failure
         self.pause_wait_s = float(pause_wait_s)
+        # Does the server honour `return_weight_versions` (vLLM 0.33)? None: not known yet
+        # (asked for until the first answer says); False: not sent any more.
+        self.weight_versions_supported: bool | None = None
         self._rng = random.Random(seed)
         self._calls = 0
         if check_on_start:
@@ -259,6 +262,27 @@ class VLLMEngine:
                               default_version=version, raise_on_failure=raise_on_failure,
                               vocab_size=self.vocab_size, validated=True)
 
+    def _check_spans(self, choice: dict, expected: str | None, j: int) -> AttemptError | None:
+        """The choice's `weight_versions` spans (vLLM 0.33) against the expected version.
+
+        Detects support from the answer: a choice without the key means the server ignores
+        the field (0.32 accepts unknown fields), and it is not sent again.
+        """
+        spans = choice.get("weight_versions")
+        if self.weight_versions_supported is None:
+            self.weight_versions_supported = "weight_versions" in choice
+        if not self.weight_versions_supported or expected is None:
+            return None
+        if not isinstance(spans, list) or not all(isinstance(x, dict) for x in spans):
+            return AttemptError("malformed", f"sample {j}: weight_versions {spans!r} is not a "
+                                "list of spans")
+        other = sorted({str(x.get("version")) for x in spans} - {expected})
+        if other:
+            return AttemptError("version", f"sample {j} was drawn (partly) by weight version(s) "
+                                f"{other}, expected {expected!r} (spans {spans}); refused",
+                                retryable=False)
+        return None
+
     async def _is_paused(self, session) -> bool:
         try:
             _, out = await self.http.request(session, "GET", "/is_paused", timeout=30)
@@ -331,6 +355,8 @@ class VLLMEngine:
                    "seed": base_seed + items[0], "logprobs": self.top_logprobs,
                    "return_tokens_as_token_ids": True, "return_token_ids": True,
                    "stream": False, **body}
+        if self.weight_versions_supported is not False:
+            payload["return_weight_versions"] = True
         if len(items) > 1 and items != list(range(items[0], items[0] + len(items))):
             raise AssertionError("an n-request needs consecutive sample indices")
         while True:
@@ -375,5 +401,11 @@ class VLLMEngine:
                                              "mode=abort?); partial output dropped"))
                 continue
             sample.meta_info["request_id"] = obj.get("id")
+            err = self._check_spans(choice, state.expected, j)
+            if err is not None:
+                results.append(err)
+                continue
+            if "weight_versions" in choice:
+                sample.meta_info["weight_versions"] = choice["weight_versions"]
             results.append(sample)
         return results

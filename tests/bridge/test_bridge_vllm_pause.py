@@ -74,3 +74,37 @@ def test_paused_by_someone_else_for_too_long_fails_clearly():
             assert srv.url in f.error and "pause_wait_s" in f.error
     finally:
         srv.stop()
+
+
+# ------------------------------------------------------------- return_weight_versions (vLLM 0.33)
+
+def test_weight_versions_used_where_the_server_reports_them():
+    srv = _server(pause_rejects=True)
+    srv.weight_versions = True
+    try:
+        client = _client(srv)
+        batch = client.generate(prompts(2), PARAMS, n=2)
+        assert not batch.failures and client.weight_versions_supported is True
+        for s in batch.samples:
+            assert s.meta_info["weight_versions"] == [
+                {"version": "default", "start": 0, "end": s.num_tokens}]
+        srv.span_version = "other"  # a sample drawn by weights the client did not expect
+        bad = client.generate(prompts(2), PARAMS, n=2)
+        assert not bad.samples and {f.kind for f in bad.failures} == {"version"}
+        assert all("'other'" in f.error and f.attempts == 1 for f in bad.failures)
+    finally:
+        srv.stop()
+
+
+def test_weight_versions_not_sent_again_to_a_server_that_ignores_them():
+    srv = _server(pause_rejects=False)  # 0.32: the field is accepted and ignored
+    try:
+        client = _client(srv)
+        client.generate(prompts(2), PARAMS, n=1)
+        assert client.weight_versions_supported is False
+        client.generate(prompts(2), PARAMS, n=1)
+        bodies = [b for name, b in srv.calls if name == "completions"]
+        assert bodies[0]["return_weight_versions"] is True
+        assert "return_weight_versions" not in bodies[-1]
+    finally:
+        srv.stop()
