@@ -13,7 +13,7 @@ optimizer steps, after a resume):
 2. rank 0 serialises them as one safetensors blob and `VLLMEngine.update_weights` sends it,
    base64, through `/collective_rpc` to the worker extension (rollout_bridge/vllm/worker_ext.py),
    which reloads the weights in place and re-runs the CPU MoE expert prepack that vLLM 0.32.0
-   skips on reload; the worker's digest of what it loaded must equal the trainer's
+   and 0.33.0 skip on reload; the worker's digest of what it loaded must equal the trainer's
    (`canonical_digest`), then the version is set and read back.
 Dtype: fp32/None rollout precision pushes the training dtype (the fp32 server then holds exactly
 the trainer's weights: the CI exactness check), bf16/fp8 push bf16 (an fp32 CPU server holds the

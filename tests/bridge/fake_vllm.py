@@ -53,13 +53,22 @@ class VFault:
 class FakeVLLMServer:
     def __init__(self, engine: LocalEngine, *, model: str = "pdm-policy",
                  api_key: str | None = None, guard_dev_routes: bool = True,
-                 logprobs_mode: str = "processed_logprobs", dev_mode: bool = True):
+                 logprobs_mode: str = "processed_logprobs", dev_mode: bool = True,
+                 pause_rejects: bool = False, weight_versions: bool = False):
         self.engine = engine
         self.model = model
         self.api_key = api_key
         self.guard_dev_routes = guard_dev_routes
         self.logprobs_mode = logprobs_mode
         self.dev_mode = dev_mode
+        self.pause_rejects = pause_rejects
+        self.weight_versions = weight_versions
+        """True: `return_weight_versions` is honoured (vLLM 0.33: each choice gets
+        `weight_versions`, [{version, start, end}] spans over its output tokens)."""
+        self.span_version: str | None = None
+        """If set: the version the spans report (a sample drawn by other weights)."""
+        """True: a paused server answers new completions with HTTP 503 until /resume (vLLM 0.33,
+        vllm/v1/engine/core.py l.1796-1808); False: it holds them (0.32)."""
         self.version = "default"
         self.paused = False
         self.incarnation = 0
@@ -208,6 +217,10 @@ class FakeVLLMServer:
         self.num_completions += 1
         self.calls.append(("completions", body))
         fault = (self.fault_fn(body, self.num_completions) if self.fault_fn else None) or VFault()
+        if self.paused and self.pause_rejects:
+            return web.json_response({"error": {
+                "message": "Generation is paused. Please retry after it resumes.",
+                "code": "engine_paused"}}, status=503)
         while self.paused:
             await asyncio.sleep(0.005)
         if fault.delay_s:
@@ -256,7 +269,11 @@ class FakeVLLMServer:
                     s = self.engine.generate([prompt], params, n=1).samples[0]
                 finally:
                     self.engine.top_logprobs, self.engine.seed, self.engine._calls = saved
-            choices.append(self._choice(j, prompt, s, k, j in fault.abort_children))
+            choice = self._choice(j, prompt, s, k, j in fault.abort_children)
+            if self.weight_versions and body.get("return_weight_versions"):
+                choice["weight_versions"] = [{"version": self.span_version or self.version,
+                                              "start": 0, "end": len(choice["token_ids"])}]
+            choices.append(choice)
         return {"id": f"cmpl-{self.num_completions}", "object": "text_completion",
                 "model": self.model, "choices": choices}
 
