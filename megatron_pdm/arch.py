@@ -226,8 +226,13 @@ _MEGATRON_FLAGS = {
 
 
 def format_arch(arch: Qwen3MoeArch, fmt: str) -> str:
-    """`shell`: ARCH_<FIELD>=value lines; `flags`: megatron-style flags, one token per line."""
+    """`shell`: ARCH_<FIELD>=value lines; `flags`: megatron-style flags, one token per line;
+    `sets`: the driver's `--set model.<field>=value` overrides of the architecture fields, one
+    token per line (what the cluster scripts pass, so their config file restates no shape)."""
     data = arch.to_dict()
+    if fmt == "sets":
+        return "\n".join(tok for name in _MEGATRON_FLAGS
+                         for tok in ("--set", f"model.{name}={data[name]}"))
     if fmt == "shell":
         return "\n".join(f"ARCH_{k.upper()}={v}" for k, v in data.items())
     if fmt == "flags":
@@ -240,7 +245,7 @@ def format_arch(arch: Qwen3MoeArch, fmt: str) -> str:
                    "--untie-embeddings-and-output-weights", "--moe-router-score-function",
                    "softmax", "--moe-router-dtype", "fp32"]
         return "\n".join(tokens)
-    raise ConfigError(f"--format {fmt!r}: choose shell or flags")
+    raise ConfigError(f"--format {fmt!r}: choose shell, flags or sets")
 
 
 if __name__ == "__main__":
@@ -249,6 +254,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="python -m megatron_pdm.arch",
                                      description="print a preset architecture")
     parser.add_argument("preset", choices=sorted(_PRESETS))
-    parser.add_argument("--format", default="shell", choices=["shell", "flags"])
+    parser.add_argument("--format", default="shell", choices=["shell", "flags", "sets"])
     cli = parser.parse_args()
     print(format_arch(_PRESETS[cli.preset](), cli.format))

@@ -111,7 +111,7 @@ MEMORY_ARGS=(
 )
 
 RUN_ARGS=(
-    --config "${HERE}/pdm.yaml"
+    --config "${HERE}/pdm.yaml" "${MODEL_SETS[@]}"
     "${PARALLEL_ARGS[@]}" "${PRECISION_ARGS[@]}" "${CHECKPOINT_ARGS[@]}"
     "${ROLLOUT_ARGS[@]}" "${DATA_ARGS[@]}" "${LOSS_ARGS[@]}" "${MEMORY_ARGS[@]}"
 )
@@ -180,8 +180,8 @@ if ! [[ " $* " == *" --dry-run "* ]]; then
     fi
 fi
 
-# the megatron-style model flags are informational for the driver (it builds from pdm.yaml's
-# model section, checked against $MCORE_CKPT/pdm_model.json); print them for the log
+# the architecture reaches the driver as MODEL_SETS (checked against $MCORE_CKPT/pdm_model.json at
+# start); the same values as megatron-style flags, for the log
 echo "model: ${MODEL_ARGS[*]}"
 
 # --dry-run: no torchrun, no GPU, no rendezvous. One process on this machine checks the layout of

@@ -44,6 +44,22 @@ def script_overrides(name: str, env: dict | None = None) -> list[str]:
     return [args[i + 1] for i, tok in enumerate(args[:-1]) if tok == "--set"]
 
 
+def test_the_cluster_architecture_has_one_source():
+    """pdm.yaml restates no shape of Qwen3-30B-A3B: the scripts pass megatron_pdm/arch.py's
+    preset (model.sh), and the config they resolve is that preset (RL's aux-loss choice aside)."""
+    import dataclasses
+    import yaml
+
+    from megatron_pdm.arch import Qwen3MoeArch
+
+    assert set(yaml.safe_load((EXAMPLE / "pdm.yaml").read_text())["model"]) == {
+        "moe_aux_loss_coeff"}
+    for script in ("train_pdm.sh", "train_pdm_fp8.sh"):
+        cfg = RunConfig.load(str(EXAMPLE / "pdm.yaml"), script_overrides(script))
+        want = dataclasses.replace(Qwen3MoeArch.qwen3_30b_a3b(), moe_aux_loss_coeff=0.0)
+        assert cfg.model == want, script
+
+
 def test_print_args_is_the_driver_command_line_and_runs_no_check():
     """`--print-args` stops before the checks a real start makes: with PRECISION=fp8 on a machine
     without CUDA, NNODES=2 and no MASTER_ADDR, each of them would refuse (exit 2)."""
@@ -52,8 +68,8 @@ def test_print_args_is_the_driver_command_line_and_runs_no_check():
     assert args == script_args("train_pdm.sh", {"NNODES": "2", "PRECISION": "fp8"})
     bf16 = script_overrides("train_pdm.sh")
     assert "precision.fp8=e4m3" not in bf16 and "rollout.rollout_precision=bf16" in bf16
-    assert script_overrides("train_pdm.sh", {"TP": "2", "SEQ_LENGTH": "4096"})[:1] == [
-        "parallel.tp=2"]
+    assert [o for o in script_overrides("train_pdm.sh", {"TP": "2", "SEQ_LENGTH": "4096"})
+            if not o.startswith("model.")][:1] == ["parallel.tp=2"]
     assert "rollout.max_sequence_length=4096" in script_overrides(
         "train_pdm.sh", {"SEQ_LENGTH": "4096"})
 

@@ -143,19 +143,10 @@ def test_fp8_script_is_train_pdm_with_precision_fp8():
 
 
 def test_pdm_yaml_matches_driver_schema_and_arch():
+    """pdm.yaml loads in the driver's schema; its architecture is not restated there but passed by
+    the scripts from megatron_pdm/arch.py (tests/e2e/test_driver_config.py checks the resolved
+    model against the preset)."""
     config = pytest.importorskip("megatron_pdm.train.config")
     cfg = config.RunConfig.load(str(EXAMPLE / "pdm.yaml"))
-    arch = _arch()
-    for name in (
-        "hidden_size",
-        "num_layers",
-        "num_attention_heads",
-        "num_query_groups",
-        "head_dim",
-        "num_experts",
-        "moe_router_topk",
-        "moe_ffn_hidden_size",
-    ):
-        assert getattr(cfg.model, name) == getattr(arch, name), name
     assert cfg.parallel.tp == 4 and cfg.parallel.ep == 8
     assert cfg.loss.name == "pdm-agg"
