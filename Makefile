@@ -2,7 +2,8 @@
 #   make demo   -> the main job: tiny CPU end-to-end PDM RL run (TP=2, 2 processes)
 #   make test   -> the whole CPU test suite
 # Each creates .venv and installs what it needs on first use; `make test` also prepares the
-# real-engine environments (.venv-vllm and the sglang API envs, in parallel) before pytest.
+# real-engine environments (.venv-vllm and the sglang API envs, in parallel) and the real model
+# (make real-model) before pytest.
 PY      ?= python3
 VENV    := .venv
 VPY     := $(VENV)/bin/python
@@ -49,7 +50,11 @@ test: $(STAMP)
 	if [ "$(MCORE_LATEST)" = 1 ] && ! wait $$ml; then tail -n 30 .cache/mcore_latest_env.log; \
 		echo "make test: FAILED to build the megatron-core 0.19.2 venv" \
 		"(scripts/check_mcore_latest.sh, log: .cache/mcore_latest_env.log)"; exit 1; fi; \
-	PDM_REQUIRE_SGLANG_API=$$req $(VPY) -m pytest -q -m "not gpu" tests $(ARGS) || exit 1; \
+	if $(MAKE) --no-print-directory real-model > .cache/real_model.log 2>&1; then rm=1; else rm=0; \
+		tail -n 20 .cache/real_model.log; echo "make test: make real-model failed (log:" \
+		".cache/real_model.log); the real-model tests will be skipped"; fi; \
+	PDM_REQUIRE_SGLANG_API=$$req PDM_REQUIRE_REAL_MODEL=$$rm $(VPY) -m pytest -q -m "not gpu" \
+		tests $(ARGS) || exit 1; \
 	if [ "$(MCORE_LATEST)" = 1 ]; then echo "make test: megatron-core 0.19.2 (Python 3.12):" \
 		"$(MCORE_LATEST_TESTS)"; $(MCORE_LATEST_ENV) scripts/check_mcore_latest.sh \
 		$(MCORE_LATEST_TESTS); fi

@@ -1,6 +1,8 @@
 """Shared pytest set-up: markers (gpu, megatron, slow) and the gpu skip on CUDA-less machines."""
 
 import importlib.util
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,3 +32,21 @@ def pytest_collection_modifyitems(config, items):
 def seed():
     torch.manual_seed(1234)
     return 1234
+
+
+REAL_MODEL_DIR = Path(__file__).resolve().parents[1] / ".cache/real-model/smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="session")
+def real_model_dir() -> Path:
+    """The prepared real model (SmolLM2-135M-Instruct as an HF directory: `make real-model`).
+
+    Skips where it was not prepared; `make test` prepares it first and sets
+    PDM_REQUIRE_REAL_MODEL=1, which turns that skip into a failure.
+    """
+    if (REAL_MODEL_DIR / "prepared.json").is_file():
+        return REAL_MODEL_DIR
+    problem = f"the real model is not prepared at {REAL_MODEL_DIR} (run `make real-model`)"
+    if os.environ.get("PDM_REQUIRE_REAL_MODEL") == "1":
+        raise pytest.UsageError(f"PDM_REQUIRE_REAL_MODEL=1 but {problem}")
+    pytest.skip(problem)
