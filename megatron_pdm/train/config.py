@@ -20,10 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import yaml
-
 from megatron_pdm.arch import Qwen3MoeArch
 from megatron_pdm.config import PolicyLossConfig
+from megatron_pdm.configfile import read_yaml, write_yaml
 from megatron_pdm.configtree import (
     ConfigError,
     apply_override,
@@ -403,24 +402,6 @@ class LogConfig:
         _positive("log", self, "save_rollouts", allow_zero=True)
 
 
-class _DuplicateKey(ValueError):
-    pass
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """safe_load that refuses a key given twice in one mapping (yaml keeps the last silently)."""
-
-    def construct_mapping(self, node, deep=False):
-        seen: dict = {}
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if key in seen:
-                raise _DuplicateKey(f"{key_node.start_mark.line + 1}: key {key!r} given twice "
-                                    f"(first on line {seen[key]})")
-            seen[key] = key_node.start_mark.line + 1
-        return super().construct_mapping(node, deep=deep)
-
-
 def check_consistency(cfg: RunConfig) -> None:
     """Rules across sections that need no process group (the world size comes later)."""
     samples = cfg.rollout.prompts_per_iteration * cfg.rollout.group_size
@@ -500,14 +481,7 @@ class RunConfig:
         """yaml file (optional) + `dotted.key=value` overrides -> a validated RunConfig."""
         data: dict = {}
         if path:
-            try:
-                data = yaml.load(Path(path).read_text(), Loader=_UniqueKeyLoader) or {}
-            except FileNotFoundError:
-                raise ConfigError(f"config file {path} not found") from None
-            except _DuplicateKey as err:
-                raise ConfigError(f"{path}:{err}") from None
-            except yaml.YAMLError as err:
-                raise ConfigError(f"{path}: not valid yaml: {err}") from None
+            data = read_yaml(path) or {}
             if not isinstance(data, dict):
                 raise ConfigError(f"{path}: expected a mapping at top level")
         for item in overrides or []:
@@ -515,5 +489,6 @@ class RunConfig:
         return cls.from_dict(data)
 
     def save(self, path: str | Path) -> None:
-        """Writes the resolved config as yaml (loadable with `RunConfig.load`)."""
-        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+        """Writes the resolved config as yaml (loadable with `RunConfig.load`), atomically and
+        with its digest line (megatron_pdm/configfile.py)."""
+        write_yaml(path, self.to_dict())
