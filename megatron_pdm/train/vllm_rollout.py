@@ -71,7 +71,7 @@ class VLLMRollout(ServerRollout):
         facts = info["facts"][0]
         logger.info("vLLM server %s: model %s, vLLM %s, dtype %s, vocab %s, weight version %s, "
                     "dev routes %s", self.cfg.rollout.vllm.url, info["model"],
-                    facts.get("vllm_version"), facts.get("dtype"), facts.get("vocab_size"),
+                    info["vllm_version"], facts.get("dtype"), facts.get("vocab_size"),
                     info["weight_version"],
                     "guarded by the API key" if info["dev_routes_guarded"] else "OPEN")
         return {"model": info["model"], "weight_version": info["weight_version"]}
