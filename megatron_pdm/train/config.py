@@ -170,10 +170,15 @@ class VLLMRolloutConfig:
     """After a connection failure, wait up to this long for the server to come back (a
     supervisor restarting it); a restarted server gets the last weights again and the lost
     samples are re-drawn. 0: no waiting, the run fails with an error naming the samples."""
+    pause_wait_s: float = 60.0
+    """How long a rollout request answered HTTP 503 by a paused server waits for `/resume`
+    before its samples fail (kind "paused", not retried). vLLM 0.33 answers new requests 503
+    while paused (0.32 holds them); the client's own weight pushes pause for well under this,
+    so a longer pause is someone else's. The wait is not a retry attempt. 0: no waiting."""
 
     def __post_init__(self) -> None:
         check_fields(self, "rollout.vllm")
-        _positive("rollout.vllm", self, "restart_wait_s", allow_zero=True)
+        _positive("rollout.vllm", self, "restart_wait_s", "pause_wait_s", allow_zero=True)
 
 
 # Flat `rollout.*` keys of earlier releases -> their place in the nested sections.

@@ -64,6 +64,7 @@ class VLLMRollout(ServerRollout):
             r.vllm.url, top_logprobs=r.top_logprobs, api_key=key, timeout_s=r.timeout_s,
             max_retries=r.max_retries, seed=self.cfg.seed, vocab_size=self.arch.vocab_size,
             raise_on_failure=True, recover_timeout_s=r.vllm.restart_wait_s,
+            pause_wait_s=r.vllm.pause_wait_s,
             allow_insecure_dev_routes=r.vllm.allow_insecure_dev_routes)
 
     def _check_server(self) -> dict:
