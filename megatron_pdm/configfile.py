@@ -94,7 +94,7 @@ def _read_stable(path: str | os.PathLike) -> bytes:
 def _check_complete(path, data: bytes) -> None:
     if not data:
         raise ConfigError(f"{path}: empty file (0 bytes; truncated?); pass no --config for the "
-                          "defaults, or write `{}` in it")
+                          "defaults, or write the line `{}` in it")
     if not data.endswith(b"\n"):
         last = data.rsplit(b"\n", 1)[-1].decode("utf-8", "replace")
         shown = last if len(last) <= 80 else last[:77] + "..."
@@ -105,7 +105,7 @@ def _check_complete(path, data: bytes) -> None:
 
 
 def _check_digest(path, data: bytes) -> None:
-    first, sep, body = data.partition(b"\n")
+    first, _, body = data.partition(b"\n")
     m = _HEADER_RE.match(first)
     if m is None:
         return
