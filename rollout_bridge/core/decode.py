@@ -208,10 +208,12 @@ def pair_columns(entries: Callable[[], Iterable], count: int, what: str,
     `entries` returns a fresh iterable over the entries (a list, or a chain over the rows of a
     nested top-K: no flattened copy is made). Two C-level passes pick item 0 and item 1 of every
     entry (`map(itemgetter(i), ...)`; an entry shorter than 2, a number, null or an object
-    raises there and ends the fast path), then `ints` / `floats` check every value's type. Only
-    a JSON list can put numbers in the columns (a string's characters are strings, refused
-    there); when a value is refused, the entries are walked once more so that an entry that is
-    not a list is named as such, as the per-entry path does.
+    raises there and ends the fast path), then `ints` / `floats` check every value's type. Of
+    the JSON types only a list can put numbers in the columns (a string's characters are
+    strings, refused there; an object's keys are strings, so item 0 raises); when a value is
+    refused, the entries are walked once more so that an entry that is not a list is named as
+    such, as the per-entry path does. (A Python caller's pre-decoded dict keyed by the integers
+    0 and 1 would read as an entry: the input is decoded JSON.)
 
     Raises:
         RolloutValidationError: naming sample, position (via `locate`) and field.
