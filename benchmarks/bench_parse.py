@@ -10,7 +10,8 @@ response shapes of docs/engines.md):
             flat base64 arrays (`return_flat_raw_output_top_logprobs`), parse_generate_response
   ours-b64  binary path, two requests: generation body with K=0 + scoring body with flat base64
             prompt-side top-K (parse_generate_response + parse_scoring_response)
-Reports medians and ratios. Usage: python benchmarks/bench_parse.py [--tokens 8192 --k 20]
+Rows are timed round-robin (every row once per round), so their ratios hold on a loaded machine;
+reports medians, minima and ratios. Usage: python benchmarks/bench_parse.py [--tokens 8192 --k 20]
 """
 
 from __future__ import annotations
@@ -91,14 +92,19 @@ def baseline(body: bytes, k: int):
             torch.tensor(sampled_ids), torch.tensor(sampled_lps))
 
 
-def median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+def round_robin_ms(fns: list, repeats: int) -> list[list[float]]:
+    """Times every fn once per round, `repeats` rounds (after one warm-up call each): the rows of
+    one round run back to back, so a change of machine load shifts all of them alike and the
+    ratios between rows stay meaningful on a shared machine."""
+    for fn in fns:
         fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, out in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            out.append((time.perf_counter() - start) * 1e3)
+    return times
 
 
 def main() -> None:
@@ -142,14 +148,20 @@ def main() -> None:
         ("ours, binary: K=0 gen body + b64 scoring body (`scoring_b64`)", ours_b64,
          len(gen0) + len(scoring)),
     ]
-    res = [(name, median_ms(fn, args.repeats), size) for name, fn, size in rows]
+    times = round_robin_ms([fn for _, fn, _ in rows], args.repeats)
+    res = [(name, statistics.median(ts), min(ts), size)
+           for (name, _, size), ts in zip(rows, times)]
     floor, base = res[0][1], res[3][1]
     print(f"T={t} tokens, K={k}, torch {torch.__version__}, numpy {np.__version__}, "
-          f"orjson {orjson.__version__}, {os.cpu_count()} CPUs, median of {args.repeats}\n")
-    print("| path | payload MB | median ms | x floor | speedup vs baseline |")
-    print("|---|---|---|---|---|")
-    for name, ms, size in res:
-        print(f"| {name} | {size / 1e6:.2f} | {ms:.1f} | {ms / floor:.2f} | {base / ms:.1f}x |")
+          f"orjson {orjson.__version__}, {os.cpu_count()} CPUs, {args.repeats} round-robin "
+          f"rounds, load average {os.getloadavg()[0]:.1f}\n")
+    floor_min = res[0][2]
+    print("| path | payload MB | median ms | min ms | x floor (medians) | x floor (minima) | "
+          "speedup vs baseline |")
+    print("|---|---|---|---|---|---|---|")
+    for name, ms, lo, size in res:
+        print(f"| {name} | {size / 1e6:.2f} | {ms:.1f} | {lo:.1f} | {ms / floor:.2f} | "
+              f"{lo / floor_min:.2f} | {base / ms:.1f}x |")
 
 
 if __name__ == "__main__":

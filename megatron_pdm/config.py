@@ -24,8 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
+from megatron_pdm.configfile import read_yaml
 from megatron_pdm.configtree import (
     ConfigError,
     apply_override,
@@ -155,7 +154,7 @@ class PolicyLossConfig:
     @classmethod
     def from_yaml(cls, path: str | Path) -> PolicyLossConfig:
         """Reads a yaml mapping of these fields (optionally `preset: name`). Unknown keys raise."""
-        data = yaml.safe_load(Path(path).read_text()) or {}
+        data = read_yaml(path) or {}
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: expected a mapping at top level")
         return cls.from_dict(data, path="")

@@ -24,6 +24,8 @@ import os
 import re
 import shutil
 
+from megatron_pdm import fsutil
+
 logger = logging.getLogger(__name__)
 
 LATEST = "latest"
@@ -42,19 +44,6 @@ def ckpt_name(iteration: int) -> str:
 
 def tmp_path(save_dir: str, iteration: int) -> str:
     return os.path.join(save_dir, "." + ckpt_name(iteration) + ".tmp")
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def prepare_tmp(save_dir: str, iteration: int) -> str:
@@ -101,7 +90,7 @@ def write_manifest(path: str, *, run_id: str, iteration: int, identity: dict) ->
         json.dump(manifest, f, indent=1, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
-    _fsync_dir(path)
+    fsutil.fsync_dir(path)
     return manifest
 
 
@@ -146,13 +135,7 @@ def verify(path: str) -> dict:
 
 
 def _write_latest(save_dir: str, name: str) -> None:
-    tmp = os.path.join(save_dir, LATEST + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(name)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(save_dir, LATEST))
-    _fsync_dir(save_dir)
+    fsutil.write_atomic(os.path.join(save_dir, LATEST), name.encode())
 
 
 def read_latest(save_dir: str) -> str | None:
@@ -199,10 +182,10 @@ def publish(save_dir: str, iteration: int, tmp: str, *, run_id: str, keep_last: 
         if os.path.isdir(prev):  # an earlier re-save got past its rename: final is complete
             shutil.rmtree(prev)
         os.rename(final, prev)
-        _fsync_dir(save_dir)
+        fsutil.fsync_dir(save_dir)
         hook("moved_aside")
     os.rename(tmp, final)
-    _fsync_dir(save_dir)
+    fsutil.fsync_dir(save_dir)
     hook("renamed")
     _write_latest(save_dir, name)
     hook("latest")

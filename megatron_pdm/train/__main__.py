@@ -2,9 +2,10 @@
 
 Flags: `--set dotted.key=value` (repeatable), `--preset NAME` (= --set loss.preset=NAME),
 `--output-dir DIR`, `--resume` (continue from the newest complete checkpoint in DIR/checkpoints,
-verified, or start fresh when there is none; docs/checkpoints.md), `--dry-run` (validate the layout and print a memory estimate without
-initialising torch.distributed or allocating the model; needs no torchrun), `--save-warmup DIR`
-(run only the supervised warm-up and save its weights to DIR for `checkpoint.load_dir`).
+verified, or start fresh when there is none; docs/checkpoints.md), `--dry-run` (validate the
+layout and print a memory estimate without initialising torch.distributed or allocating the model;
+needs no torchrun), `--save-warmup DIR` (run only the supervised warm-up and save its weights to
+DIR for `checkpoint.load_dir`). `--help` lists every config key by section.
 
 Common mistakes get a one-line hint instead of a traceback (cli.run_cli): Megatron-LM flags such
 as `--tp 4` name the `--set` key that does the same, and a training run started without torchrun
@@ -58,8 +59,41 @@ def unknown_args_hint(unknown: list[str]) -> str:
                   "--dry-run, --save-warmup DIR)")
 
 
+def config_keys_help() -> str:
+    """Every config key by section, read from the config dataclasses (the one schema); each
+    key's meaning is its field's docstring in megatron_pdm/train/config.py."""
+    import dataclasses
+    import textwrap
+    import typing
+
+    from megatron_pdm.train.config import RunConfig
+
+    lines: list[str] = []
+
+    def walk(cls, prefix: str) -> None:
+        hints = typing.get_type_hints(cls)
+        keys = [*getattr(cls, "_config_aliases", ())]
+        nested = []
+        for f in dataclasses.fields(cls):
+            if f.init:  # the keys from_mapping accepts (megatron_pdm/configtree.py)
+                (nested if dataclasses.is_dataclass(hints[f.name]) else keys).append(f.name)
+        if keys:
+            head = f"{prefix}{{" if prefix else ""
+            body = ", ".join(keys) + ("}" if prefix else "")
+            lines.extend(textwrap.wrap(head + body, 96, initial_indent="  ",
+                                       subsequent_indent="      "))
+        for name in nested:
+            walk(hints[name], f"{prefix}{name}.")
+
+    walk(RunConfig, "")
+    return ("config keys (--set KEY=VALUE or the --config yaml; each one documented in "
+            "megatron_pdm/train/config.py):\n" + "\n".join(lines))
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m megatron_pdm.train", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m megatron_pdm.train", description=__doc__,
+                                epilog=config_keys_help(),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=None, help="run config yaml")
     p.add_argument("--set", dest="overrides", action="append", default=[],
                    metavar="KEY=VALUE", help="dotted override, e.g. train.lr=3e-4")

@@ -20,10 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import yaml
-
 from megatron_pdm.arch import Qwen3MoeArch
 from megatron_pdm.config import PolicyLossConfig
+from megatron_pdm.configfile import read_yaml, write_yaml
 from megatron_pdm.configtree import (
     ConfigError,
     apply_override,
@@ -171,10 +170,15 @@ class VLLMRolloutConfig:
     """After a connection failure, wait up to this long for the server to come back (a
     supervisor restarting it); a restarted server gets the last weights again and the lost
     samples are re-drawn. 0: no waiting, the run fails with an error naming the samples."""
+    pause_wait_s: float = 60.0
+    """How long a rollout request answered HTTP 503 by a paused server waits for `/resume`
+    before its samples fail (kind "paused", not retried). vLLM 0.33 answers new requests 503
+    while paused (0.32 holds them); the client's own weight pushes pause for well under this,
+    so a longer pause is someone else's. The wait is not a retry attempt. 0: no waiting."""
 
     def __post_init__(self) -> None:
         check_fields(self, "rollout.vllm")
-        _positive("rollout.vllm", self, "restart_wait_s", allow_zero=True)
+        _positive("rollout.vllm", self, "restart_wait_s", "pause_wait_s", allow_zero=True)
 
 
 # Flat `rollout.*` keys of earlier releases -> their place in the nested sections.
@@ -403,24 +407,6 @@ class LogConfig:
         _positive("log", self, "save_rollouts", allow_zero=True)
 
 
-class _DuplicateKey(ValueError):
-    pass
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """safe_load that refuses a key given twice in one mapping (yaml keeps the last silently)."""
-
-    def construct_mapping(self, node, deep=False):
-        seen: dict = {}
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if key in seen:
-                raise _DuplicateKey(f"{key_node.start_mark.line + 1}: key {key!r} given twice "
-                                    f"(first on line {seen[key]})")
-            seen[key] = key_node.start_mark.line + 1
-        return super().construct_mapping(node, deep=deep)
-
-
 def check_consistency(cfg: RunConfig) -> None:
     """Rules across sections that need no process group (the world size comes later)."""
     samples = cfg.rollout.prompts_per_iteration * cfg.rollout.group_size
@@ -500,14 +486,7 @@ class RunConfig:
         """yaml file (optional) + `dotted.key=value` overrides -> a validated RunConfig."""
         data: dict = {}
         if path:
-            try:
-                data = yaml.load(Path(path).read_text(), Loader=_UniqueKeyLoader) or {}
-            except FileNotFoundError:
-                raise ConfigError(f"config file {path} not found") from None
-            except _DuplicateKey as err:
-                raise ConfigError(f"{path}:{err}") from None
-            except yaml.YAMLError as err:
-                raise ConfigError(f"{path}: not valid yaml: {err}") from None
+            data = read_yaml(path) or {}
             if not isinstance(data, dict):
                 raise ConfigError(f"{path}: expected a mapping at top level")
         for item in overrides or []:
@@ -515,5 +494,6 @@ class RunConfig:
         return cls.from_dict(data)
 
     def save(self, path: str | Path) -> None:
-        """Writes the resolved config as yaml (loadable with `RunConfig.load`)."""
-        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+        """Writes the resolved config as yaml (loadable with `RunConfig.load`), atomically and
+        with its digest line (megatron_pdm/configfile.py)."""
+        write_yaml(path, self.to_dict())

@@ -64,6 +64,7 @@ class VLLMRollout(ServerRollout):
             r.vllm.url, top_logprobs=r.top_logprobs, api_key=key, timeout_s=r.timeout_s,
             max_retries=r.max_retries, seed=self.cfg.seed, vocab_size=self.arch.vocab_size,
             raise_on_failure=True, recover_timeout_s=r.vllm.restart_wait_s,
+            pause_wait_s=r.vllm.pause_wait_s,
             allow_insecure_dev_routes=r.vllm.allow_insecure_dev_routes)
 
     def _check_server(self) -> dict:
@@ -71,7 +72,7 @@ class VLLMRollout(ServerRollout):
         facts = info["facts"][0]
         logger.info("vLLM server %s: model %s, vLLM %s, dtype %s, vocab %s, weight version %s, "
                     "dev routes %s", self.cfg.rollout.vllm.url, info["model"],
-                    facts.get("vllm_version"), facts.get("dtype"), facts.get("vocab_size"),
+                    info["vllm_version"], facts.get("dtype"), facts.get("vocab_size"),
                     info["weight_version"],
                     "guarded by the API key" if info["dev_routes_guarded"] else "OPEN")
         return {"model": info["model"], "weight_version": info["weight_version"]}

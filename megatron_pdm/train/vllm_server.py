@@ -4,8 +4,9 @@ What: `prepare_model_dir` writes an HF Qwen3-MoE directory (config.json + random
 the run's architecture (`model` section, vocabulary from the task), so vLLM serves exactly the
 network the trainer trains; the trainer then pushes its own weights before the first rollout
 (`rollout.sync_at_start`), so the random start weights never produce a rollout. `VLLMServer`
-runs vLLM's OpenAI-compatible server (`.venv-vllm`, scripts/setup_vllm_cpu.sh) with the flags
-the bridge needs (docs/engines.md, vLLM):
+runs vLLM's OpenAI-compatible server (`.venv-vllm`, scripts/setup_vllm_cpu.sh), after checking
+that environment's vLLM release against the supported range (`installed_vllm_version`,
+rollout_bridge/vllm/versions.py), with the flags the bridge needs (docs/engines.md, vLLM):
 
   --logprobs-mode processed_logprobs   returned log-probs are log_softmax(logits / T)
   --skip-tokenizer-init                token ids in and out, no tokenizer needed
@@ -69,6 +70,44 @@ DEFAULT_KEY_ENV = "PDM_VLLM_API_KEY"
 def vllm_python(venv: str | os.PathLike | None = None) -> Path:
     """The vLLM venv's interpreter: `venv`, else $VLLM_VENV, else `default_venv()`."""
     return Path(venv or os.environ.get(VENV_ENV) or default_venv()) / "bin" / "python"
+
+
+def installed_vllm_version(python: str | os.PathLike) -> str:
+    """The vLLM release installed for interpreter `python`, checked against the supported range.
+
+    Asks the interpreter itself (`python -I -c rollout_bridge.vllm.versions.PROBE`: the installed
+    distributions' metadata, without importing vLLM), so it is the release the server would run.
+
+    Raises:
+        UnsupportedVLLMVersion: no vLLM installed there, or a release outside the range of
+            rollout_bridge/vllm/versions.py; the message names the interpreter and the version.
+    """
+    from rollout_bridge.vllm.versions import (
+        PROBE,
+        UnsupportedVLLMVersion,
+        check_vllm_version,
+        supported_text,
+    )
+
+    where = f"the vLLM environment {python}"
+    try:
+        out = subprocess.run([str(python), "-I", "-c", PROBE], capture_output=True, text=True,
+                             timeout=120, stdin=subprocess.DEVNULL)
+        found = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError) as err:
+        raise UnsupportedVLLMVersion(f"{where}: its vLLM version cannot be read ({err})") from None
+    if found is None:
+        raise UnsupportedVLLMVersion(f"{where}: its vLLM version cannot be read (exit "
+                                     f"{out.returncode}: {out.stderr.strip()[-300:]})")
+    if not isinstance(found, dict) or not found:
+        raise UnsupportedVLLMVersion(f"{where}: no vLLM installed (supported: vLLM "
+                                     f"{supported_text()}; scripts/setup_vllm_cpu.sh)")
+    if len(set(found.values())) > 1:
+        raise UnsupportedVLLMVersion(f"{where}: several vLLM distributions installed ({found}); "
+                                     "keep one")
+    name, version = sorted(found.items())[0]
+    check_vllm_version(version, f"{where} ({name})")
+    return version
 
 
 def check_servable(arch) -> None:
@@ -181,6 +220,9 @@ class VLLMServer:
         self.proc: subprocess.Popen | None = None
         self.starts: list[float] = []
         """Seconds from launch to a healthy server, one entry per start."""
+        self.vllm_version: str | None = None
+        """The environment's vLLM release, read (and checked against the supported range,
+        rollout_bridge/vllm/versions.py) by the first `start`."""
 
     @property
     def url(self) -> str:
@@ -224,6 +266,8 @@ class VLLMServer:
         if not self.python.exists():
             raise FileNotFoundError(f"{self.python} not found: create the vLLM venv with "
                                     "scripts/setup_vllm_cpu.sh")
+        if self.vllm_version is None:  # once per server object (restarts reuse it)
+            self.vllm_version = installed_vllm_version(self.python)
         log = open(self.log_path, "ab")
         log.write(f"\n=== start {time.strftime('%H:%M:%S')} port {self.port}\n".encode())
         log.flush()
@@ -313,6 +357,7 @@ def _group_alive(pgid: int) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from megatron_pdm.configtree import ConfigError
     from megatron_pdm.train.config import RunConfig
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -342,9 +387,14 @@ def main(argv: list[str] | None = None) -> int:
     server = VLLMServer(model_dir, workdir, host=args.host, port=args.port, api_key=key,
                         dtype=args.dtype, max_model_len=arch.max_position_embeddings,
                         seed=cfg.seed)
+    from rollout_bridge.vllm.versions import UnsupportedVLLMVersion
+
     print(f"vllm_server: starting on {server.url} (log {server.log_path})", flush=True)
     try:
-        server.start()
+        try:
+            server.start()
+        except (UnsupportedVLLMVersion, FileNotFoundError) as err:
+            raise ConfigError(str(err)) from None  # the environment to fix: one error line
         took = server.wait_ready(args.start_timeout)
         print(f"vllm_server: ready in {took:.0f} s at {server.url}", flush=True)
         if not cmd:

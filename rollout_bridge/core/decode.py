@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import itertools
 import json
+import operator
 import reprlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -29,8 +29,6 @@ from rollout_bridge.core.types import RolloutSample, RolloutValidationError
 class MalformedResponseError(RolloutValidationError):
     """The body is not valid JSON or not a /generate response (retryable by the client)."""
 
-
-_chain = itertools.chain.from_iterable
 
 _GC_LOCK = threading.Lock()
 _GC_STATE = {"depth": 0, "was_enabled": False}
@@ -200,29 +198,53 @@ def checked_list(value: Any, what: str, sample_index: int | None,
     return value
 
 
-def pairs(entries: list, what: str, sample_index: int | None,
-          locate: Callable[[int], tuple[int | None, int | None]] | None = None
-          ) -> tuple[list, list]:
-    """(logprobs, ids) of `[logprob, id, ...]` entries (SGLang's triples; 2 or more items).
+def pair_columns(entries: Callable[[], Iterable], count: int, what: str,
+                 sample_index: int | None,
+                 locate: Callable[[int], tuple[int | None, int | None]] | None = None
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """(ids [count] int64, logprobs [count] float64) of `[logprob, id, ...]` entries (SGLang's
+    triples; 2 or more items each).
 
-    Fast path: every entry has length 3 (one C-level pass), then the flattened list is sliced. A
-    length-3 string or object cannot pass unnoticed: its characters / keys land in the id and
-    logprob slices as strings, which `ints` / `floats` refuse.
+    `entries` returns a fresh iterable over the entries (a list, or a chain over the rows of a
+    nested top-K: no flattened copy is made). Two C-level passes pick item 0 and item 1 of every
+    entry (`map(itemgetter(i), ...)`; an entry shorter than 2, a number, null or an object
+    raises there and ends the fast path), then `ints` / `floats` check every value's type. Of
+    the JSON types only a list can put numbers in the columns (a string's characters are
+    strings, refused there; an object's keys are strings, so item 0 raises); when a value is
+    refused, the entries are walked once more so that an entry that is not a list is named as
+    such, as the per-entry path does. (A Python caller's pre-decoded dict keyed by the integers
+    0 and 1 would read as an entry: the input is decoded JSON.)
+
+    Raises:
+        RolloutValidationError: naming sample, position (via `locate`) and field.
     """
     try:
-        lens = set(map(len, entries))
-    except TypeError:
-        lens = None
-    if lens == {3}:
-        flat = list(_chain(entries))
-        return flat[0::3], flat[1::3]
+        lp_list = list(map(_ITEM0, entries()))
+        id_list = list(map(_ITEM1, entries()))
+    except (TypeError, IndexError, KeyError):  # a short entry, a number, null or an object
+        _check_entries(entries(), what, sample_index, locate)
+        raise RolloutValidationError(f"{what}: entries are not [logprob, id, ...] lists",
+                                     sample_index) from None
+    try:
+        return (ints(id_list, count, what, sample_index, locate),
+                floats(lp_list, count, what, sample_index, locate))
+    except RolloutValidationError:
+        _check_entries(entries(), what, sample_index, locate)
+        raise
+
+
+_ITEM0, _ITEM1 = operator.itemgetter(0), operator.itemgetter(1)
+
+
+def _check_entries(entries: Iterable, what: str, sample_index: int | None,
+                   locate: Callable[[int], tuple[int | None, int | None]] | None) -> None:
+    """Raises for the first entry that is not a list of 2 or more items (errors only)."""
     for j, entry in enumerate(entries):
         if type(entry) is not list or len(entry) < 2:
             position, slot = _where(locate, j)
             raise RolloutValidationError(
                 f"{what}{slot}: entry {preview(entry)} is not a [logprob, id, ...] list",
                 sample_index, position)
-    return [entry[0] for entry in entries], [entry[1] for entry in entries]
 
 
 def first(mask: np.ndarray) -> int:

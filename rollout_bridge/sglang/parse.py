@@ -6,10 +6,12 @@ What: `parse_generate_response` turns the bytes of one `/generate` response (nes
 `megatron_pdm.ops.support`, shared with every engine).
 
 Why this shape: at K=20 and 8k tokens a response is ~6 MB of JSON and decoding it dominates the
-rollout->trainer path. The JSON path makes exactly one `orjson.loads` and then flattens the nested
-lists with C-level iterators (`itertools.chain`, list slicing, `np.fromiter`), so no Python code
-runs per triple; all folding and validation is vectorized numpy. The binary path decodes base64
-straight into numpy (`np.frombuffer`, no copy).
+rollout->trainer path. The JSON path makes exactly one `orjson.loads` and then reads the
+nested triples with C-level iterators (`map(itemgetter(0 / 1), itertools.chain(rows))`: a logprob
+list and an id list, no flattened copy; `core/decode.py: pair_columns`), checks every value's
+type and fills numpy with `np.fromiter`, so no Python code runs per triple; all folding and
+validation is vectorized numpy. The binary path decodes base64 straight into numpy
+(`np.frombuffer`, no copy).
 
 Validation (every error is a `RolloutValidationError` naming sample and position): length
 mismatches between output_ids / output_token_logprobs / output_top_logprobs, sampled-id mismatch,
@@ -34,12 +36,11 @@ from rollout_bridge.core.decode import (
     check_topk_values,
     checked_list,
     first,
-    floats,
     folded_support,
     gc_paused,
     ints,
     loads,
-    pairs,
+    pair_columns,
     preview,
     sort_rank_order,
     text,
@@ -83,22 +84,16 @@ def _parse_top(top: list, t: int, k: int, sample_index: int
              "num_missing_topk_slots": int(np.clip(k - lens_t, 0, None).sum()),
              "num_truncated_positions": int((lens_t > k).sum())}
     if stats["num_short_positions"] == 0 and stats["num_truncated_positions"] == 0:
-        n = t * k
-        lp_n, id_n = pairs(list(_chain(top)), _TOP, sample_index,
-                           lambda j: (j // k, j % k))
-        ids_tk = ints(id_n, n, _TOP, sample_index, lambda j: (j // k, j % k)).reshape(t, k)
-        lp_tk = floats(lp_n, n, _TOP, sample_index, lambda j: (j // k, j % k)).reshape(t, k)
-        return ids_tk, lp_tk, np.ones((t, k), dtype=bool), stats
+        ids_n, lp_n = pair_columns(lambda: _chain(top), t * k, _TOP, sample_index,
+                                   lambda j: (j // k, j % k))
+        return ids_n.reshape(t, k), lp_n.reshape(t, k), np.ones((t, k), dtype=bool), stats
     # General path: ragged, null or over-long rows (still C-level flattening).
     lens_t = np.minimum(lens_t, k)
     rows = [row[:k] if row else () for row in top] if stats["num_truncated_positions"] else \
         [row or () for row in top]
-    triples = list(_chain(rows))
-    n = len(triples)
-    locate = _row_locator(lens_t)
-    lp_list, id_list = pairs(triples, _TOP, sample_index, locate)
-    ids_n = ints(id_list, n, _TOP, sample_index, locate)
-    lp_n = floats(lp_list, n, _TOP, sample_index, locate)
+    n = int(lens_t.sum())
+    ids_n, lp_n = pair_columns(lambda: _chain(rows), n, _TOP, sample_index,
+                               _row_locator(lens_t))
     starts_t = np.cumsum(lens_t) - lens_t
     pos_n = np.repeat(np.arange(t), lens_t)
     slot_n = np.arange(n) - np.repeat(starts_t, lens_t)
@@ -129,9 +124,7 @@ def _sampled(meta: dict, obj: dict, sample_index: int) -> tuple[np.ndarray, np.n
                                      "(request return_logprob=true)", sample_index)
     otl = checked_list(otl, _OTL, sample_index)
     t = len(otl)
-    lp_list, id_list = pairs(otl, _OTL, sample_index)
-    sampled_ids = ints(id_list, t, _OTL, sample_index)
-    sampled_lp = floats(lp_list, t, _OTL, sample_index)
+    sampled_ids, sampled_lp = pair_columns(lambda: otl, t, _OTL, sample_index)
     out_ids = obj.get("output_ids")
     if out_ids is not None:
         out_ids = checked_list(out_ids, "output_ids", sample_index)

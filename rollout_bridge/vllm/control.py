@@ -1,8 +1,9 @@
 """Start-up checks and weight-version reads of the vLLM client: `VLLMControl`.
 
-What: `check_server` (health, key, served model, dev-route guard, worker facts: logprobs mode,
-vocabulary, max-logprobs), the weight version (`/weight_info`) and the served digests, over the
-transport `VLLMHTTP` (http.py) it is given; everything it reads is a constructor argument.
+What: `check_server` (health, key, served model, the vLLM release against versions.py's range,
+dev-route guard, worker facts: logprobs mode, vocabulary, max-logprobs), the weight version
+(`/weight_info`) and the served digests, over the transport `VLLMHTTP` (http.py) it is given;
+everything it reads is a constructor argument.
 
 Security: vLLM's `--api-key` guards only /v1, /v2, /inference and /cohere
 (vllm/entrypoints/serve/middleware/authenticate.py l.11, l.59); `check_server` probes a dev route
@@ -19,6 +20,11 @@ import urllib.parse
 from rollout_bridge.core.engine import AttemptError, run_sync
 from rollout_bridge.core.types import EngineMismatchError
 from rollout_bridge.vllm.http import VLLMHTTP
+from rollout_bridge.vllm.versions import (
+    UnsupportedVLLMVersion,
+    check_vllm_version,
+    supported_text,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +54,7 @@ class VLLMControl:
         known_version: The weight version last seen on (or pushed to) the server.
         server_facts: The workers' facts from the last `check_server`.
         dev_routes_guarded: Whether the dev routes refused a request without the key.
+        vllm_version: The server's `GET /version`, from the last `check_server`.
     """
 
     def __init__(self, http: VLLMHTTP, *, model: str | None = None, top_logprobs: int = 20,
@@ -60,6 +67,7 @@ class VLLMControl:
         self.known_version: str | None = None
         self.server_facts: list[dict] | None = None
         self.dev_routes_guarded: bool | None = None
+        self.vllm_version: str | None = None
 
     # ------------------------------------------------------------------ start-up checks
 
@@ -67,12 +75,14 @@ class VLLMControl:
         """Health, API key, served model, dev-route guard, worker extension and its facts.
 
         Returns:
-            {"model", "max_model_len", "weight_version", "dev_routes_guarded", "facts"}.
+            {"model", "max_model_len", "vllm_version", "weight_version", "dev_routes_guarded",
+            "facts"}.
 
         Raises:
-            EngineMismatchError: Unhealthy server, rejected key, unknown model, dev mode off,
-                open dev routes on a non-loopback server, no worker extension, a logprobs mode
-                other than processed_logprobs, or another vocabulary.
+            EngineMismatchError: Unhealthy server, rejected key, unknown model, a vLLM release
+                outside rollout_bridge/vllm/versions.py's range (`UnsupportedVLLMVersion`), dev
+                mode off, open dev routes on a non-loopback server, no worker extension, a
+                logprobs mode other than processed_logprobs, or another vocabulary.
         """
         return run_sync(self.acheck_server())
 
@@ -96,6 +106,7 @@ class VLLMControl:
             if self.model not in served:
                 raise EngineMismatchError(f"model {self.model!r} not served (have "
                                           f"{sorted(served)})")
+            self.vllm_version = await self._check_version(s)
             status, _ = await self.http.request(s, "GET", "/is_paused", ok=(), timeout=60)
             if status == 200:  # dev mode on; does the route answer without the key too?
                 status, _ = await self.http.request(s, "GET", "/is_paused", auth=False, ok=(),
@@ -141,8 +152,20 @@ class VLLMControl:
             self.server_facts = facts
             version = await self.aweight_version(s)
         return {"model": self.model, "max_model_len": served[self.model].get("max_model_len"),
-                "weight_version": version, "dev_routes_guarded": self.dev_routes_guarded,
-                "facts": facts}
+                "vllm_version": self.vllm_version, "weight_version": version,
+                "dev_routes_guarded": self.dev_routes_guarded, "facts": facts}
+
+    async def _check_version(self, session) -> str:
+        """`GET /version` against the supported range (rollout_bridge/vllm/versions.py)."""
+        try:
+            _, out = await self.http.request(session, "GET", "/version", timeout=30)
+        except AttemptError as exc:
+            raise UnsupportedVLLMVersion(
+                f"{self.http.base_url}: the vLLM version cannot be read ({exc}); the bridge "
+                f"supports vLLM {supported_text()}") from None
+        found = out.get("version") if isinstance(out, dict) else None
+        check_vllm_version(found, f"{self.http.base_url} (GET /version)")
+        return str(found)
 
     async def aweight_version(self, session) -> str:
         _, out = await self.http.request(session, "GET", "/weight_info", timeout=60)

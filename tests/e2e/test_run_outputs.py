@@ -1,8 +1,9 @@
 """What a user finds after a run, and what a common mistake prints.
 
 - One short 2-process run with TensorBoard, plot and progress on, stderr redirected (not a
-  terminal): the resolved config is saved as `config.yaml` and loads back to the same tree; the
-  greedy evaluations and the warm-up's probes are TensorBoard scalars next to the per-step rows;
+  terminal): the resolved config is saved as `config.yaml` (with its digest line) and loads back
+  to the same tree; the greedy evaluations and the warm-up's probes are TensorBoard scalars next
+  to the per-step rows;
   the progress output has no carriage returns (tqdm's redraws flooded redirected logs) and ends
   with the last iteration.
 - Mistakes without a traceback (exit status 2, one `error:` line): a Megatron-LM flag (`--tp 4`)
@@ -45,6 +46,8 @@ def test_resolved_config_is_saved_and_loads_back(outputs_run):
     cfg = RunConfig.load(saved)
     assert cfg.output_dir == out and cfg.train.iterations == 4 and cfg.warmup.check_every == 5
     with open(saved) as f:
+        assert f.readline().startswith("# written by megatron-pdm: sha256 ")  # configfile.py
+        f.seek(0)
         assert RunConfig.from_dict(yaml.safe_load(f)).to_dict() == cfg.to_dict()
 
 

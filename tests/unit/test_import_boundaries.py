@@ -28,27 +28,30 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 PAGED_STASH = "megatron.core.transformer.moe.ops.paged_stash"  # megatron_pdm/triton_stub.py
 
 # unit -> units it may import (besides itself). "face" is megatron_pdm/__init__.
-PURE = {"configtree", "arch", "layout", "config", "cli", "triton_stub", "netutil"}
+PURE = {"configtree", "configfile", "fsutil", "arch", "layout", "config", "cli", "triton_stub",
+        "netutil"}
 ALLOWED = {
     "face": {"ops", "parallel", "loss", "config", "triton_stub"},
     "triton_stub": set(),
     "configtree": set(),
+    "fsutil": set(),
+    "configfile": {"configtree", "fsutil"},
     "arch": {"configtree"},
     "layout": {"arch", "configtree"},
-    "config": {"configtree"},
+    "config": {"configtree", "configfile"},
     "cli": {"configtree"},
     "metrics": set(),
     "netutil": set(),
     "ops": set(),
     "parallel": {"ops"},
     "loss": {"ops", "config", "configtree", "metrics"},
-    "mcore": {"ops", "parallel", "loss", "config", "configtree", "metrics", "arch",
+    "mcore": {"ops", "parallel", "loss", "config", "configtree", "metrics", "arch", "fsutil",
               "triton_stub"},
     "convert": {"arch", "configtree", "layout", "mcore", "ops", "netutil"},
     "analysis": {"ops", "parallel", "loss", "config", "configtree", "metrics", "arch", "mcore",
                  "rollout_bridge", "rb.core", "train", "cli"},
-    "train": {"ops", "parallel", "loss", "config", "configtree", "metrics", "arch", "layout",
-              "mcore", "convert", "cli", "netutil", "rollout_bridge", "rb.core", "rb.sglang",
+    "train": {"ops", "parallel", "loss", "config", "configtree", "configfile", "metrics", "arch",
+              "layout", "mcore", "convert", "cli", "netutil", "rollout_bridge", "rb.core", "rb.sglang",
               "rb.vllm", "rb.local"},
     # rollout_bridge: the package face (lazy re-exports), the engine-independent core, one
     # subpackage per engine. The engines share only core; core knows no engine.

@@ -41,3 +41,32 @@ def test_launcher_refusals():
     for bad in ("0.0.0.0", "8.8.8.8", "example.org"):
         with pytest.raises(ValueError):
             check_bind_host(bad)
+
+
+VLLM = ["rollout.engine=vllm", "rollout.vllm.url=http://127.0.0.1:1"]
+
+
+@pytest.mark.parametrize("value,match", [
+    ("-1", "rollout.vllm.pause_wait_s=-1.0 must be >= 0"),
+    ("inf", "rollout.vllm.pause_wait_s=inf must be a finite number"),
+    ("nan", "rollout.vllm.pause_wait_s='nan': NaN is not a valid value"),
+    ("soon", "rollout.vllm.pause_wait_s='soon': expected a number"),
+])
+def test_pause_wait_is_checked(value, match):
+    with pytest.raises(ConfigError, match=match):
+        RunConfig.load(None, [*VLLM, f"rollout.vllm.pause_wait_s={value}"])
+    assert RunConfig.load(None, VLLM).rollout.vllm.pause_wait_s == 60.0
+    assert RunConfig.load(None, [*VLLM, "rollout.vllm.pause_wait_s=0"]).rollout.vllm.pause_wait_s \
+        == 0.0
+
+
+def test_pause_wait_reaches_the_vllm_client():
+    import types
+
+    from megatron_pdm.train.vllm_rollout import VLLMRollout
+
+    cfg = RunConfig.load(None, [*VLLM, "rollout.vllm.pause_wait_s=7.5",
+                                "rollout.vllm.restart_wait_s=2"])
+    owner = types.SimpleNamespace(cfg=cfg, arch=types.SimpleNamespace(vocab_size=18))
+    client = VLLMRollout._make_client(owner)  # builds the client only: no request is sent
+    assert client.pause_wait_s == 7.5 and client.weights.recover_timeout_s == 2.0
