@@ -198,3 +198,18 @@ def test_fused_head_equals_default_tp1():
 @pytest.mark.megatron
 def test_fused_head_equals_default_tp2_sp_on_and_off():
     run_gloo(_compare_worker, 2, (True, False))
+
+
+def test_install_refusals_and_lookups():
+    from types import SimpleNamespace
+
+    from megatron_pdm.mcore.lm_head import install_fused_head, lm_head_of
+
+    assert lm_head_of(None) is None
+    middle = SimpleNamespace(post_process=False)  # a pipeline stage without an output layer
+    assert install_fused_head(middle) is middle and lm_head_of(middle) is None
+    plain = SimpleNamespace(post_process=True, output_layer=torch.nn.Linear(2, 2),
+                            config=SimpleNamespace())
+    assert lm_head_of(SimpleNamespace(module=plain)) is None  # megatron's own head: logits
+    with pytest.raises(ValueError, match="not megatron's ColumnParallelLinear"):
+        install_fused_head(plain)
