@@ -23,36 +23,18 @@ fused path never creates a tensor with a V_local dimension other than the [V_loc
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import megatron_pdm as pdm
 from rollout_bridge.core.packing import pack_padded
-from rollout_bridge.core.types import RolloutBatch, RolloutSample
+from rollout_bridge.core.types import RolloutBatch
 from tests._dist import run_gloo
+from tests.mcore.test_loss_adapter import K, V, _sample  # rollout samples over V = 11, K = 4
 
-V, K, H = 11, 4, 64
+H = 64
 DIVISIBLE = 37  # V_local = 37 at TP 1 and 2 (padded vocab 37 / 74)
-
-
-def _sample(prompt, response, gen, group):
-    t = len(response)
-    lp = torch.log_softmax(torch.randn(t, V, generator=gen), -1)
-    top_v, top_i = torch.topk(lp, K, dim=-1)
-    ids = torch.zeros(t, K + 1, dtype=torch.int32)
-    lps = torch.full((t, K + 1), -math.inf)
-    valid = torch.zeros(t, K + 1, dtype=torch.bool)
-    ids[:, :K], lps[:, :K], valid[:, :K] = top_i.int(), top_v, True
-    for j, tok in enumerate(response):
-        if not (top_i[j] == tok).any():
-            ids[j, K], lps[j, K], valid[j, K] = tok, lp[j, tok], True
-    beh = lp[torch.arange(t), torch.tensor(response)]
-    return RolloutSample(prompt_ids=torch.tensor(prompt), response_ids=torch.tensor(response),
-                         behavior_logprob=beh, support_ids=ids, support_logprobs=lps,
-                         support_valid=valid, finish_reason="stop", group_index=group)
 
 
 def _packed():
@@ -213,3 +195,30 @@ def test_install_refusals_and_lookups():
     assert lm_head_of(SimpleNamespace(module=plain)) is None  # megatron's own head: logits
     with pytest.raises(ValueError, match="not megatron's ColumnParallelLinear"):
         install_fused_head(plain)
+
+
+@pytest.mark.parametrize("layout", ["bsv", "sbv"])
+@pytest.mark.parametrize("stats_dtype", [None, torch.float64])
+def test_batch_token_stats_with_a_head_equals_the_logits_path(layout, stats_dtype):
+    """batch_token_stats(hidden, head=...) == batch_token_stats(hidden @ W.T): both row orders
+    ([s, b, H] is read as a view in sb order, like logits), with and without a dtype cast."""
+    from types import SimpleNamespace
+
+    from megatron_pdm.mcore.loss_adapter import batch_token_stats
+    from tests.mcore.test_loss_adapter import V_PADDED, _batch
+
+    packed = pack_padded(_batch()[0], torch.tensor([0.5, -0.5, 1.0]))
+    b, s = packed.tokens.shape
+    g = torch.Generator().manual_seed(5)
+    hidden_bsh = torch.randn(b, s, 8, generator=g, dtype=torch.float64)
+    weight_vh = torch.randn(V_PADDED, 8, generator=g, dtype=torch.float64)
+    head = SimpleNamespace(weight=lambda: weight_vh, token_chunk=3, vocab_chunk=5)
+    out = hidden_bsh if layout == "bsv" else hidden_bsh.transpose(0, 1).contiguous()
+    ref = batch_token_stats(out @ weight_vh.t(), packed, layout=layout, tp_group=None,
+                            stats_dtype=stats_dtype)
+    got = batch_token_stats(out, packed, layout=layout, tp_group=None, stats_dtype=stats_dtype,
+                            head=head)
+    assert got.rows == ref.rows == ("sb" if layout == "sbv" and stats_dtype is None else "bs")
+    torch.testing.assert_close(got.stats.logprob, ref.stats.logprob, rtol=0, atol=1e-12)
+    torch.testing.assert_close(got.stats.topk_kl, ref.stats.topk_kl, rtol=0, atol=1e-12)
+    assert torch.equal(got.fields["loss_mask"], ref.fields["loss_mask"])
