@@ -150,6 +150,7 @@ def estimate_memory(
     recompute: str = "none",
     grads_fp32: bool = True,
     num_microbatches: int | None = None,
+    fused_head_chunk: tuple[int, int] | None = None,
 ) -> MemoryEstimate:
     """Per-GPU memory of training `arch` at `layout` (bytes), most loaded pipeline stage.
 
@@ -169,6 +170,8 @@ def estimate_memory(
       activations; `"selective"` drops the attention-core term (4 nh D -> 2 nh D);
       1F1B keeps min(PP, num_microbatches) micro-batches in flight on the first stage;
     - logits: fp32 [T, V_pad/TP] plus one saved fp32 buffer of the same size (loss backward);
+      with the fused LM head (`fused_head_chunk` = (token_chunk, vocab_chunk), train.fused_head)
+      one fp32 logits chunk [min(T, R), min(V_pad/TP, C)] and its gradient instead;
     - not included: CUDA context, NCCL and dispatcher buffers, allocator fragmentation (budget
       several GiB on top).
     """
@@ -210,7 +213,12 @@ def estimate_memory(
     else:
         stage = layers * per_layer
     activations = stage * in_flight
-    logits = 2 * tokens * (layout.padded_vocab_size // layout.tp) * 4
+    v_local = layout.padded_vocab_size // layout.tp
+    if fused_head_chunk is None:
+        logits = 2 * tokens * v_local * 4
+    else:
+        rows, cols = fused_head_chunk
+        logits = 2 * min(tokens, rows) * min(v_local, cols) * 4
     return MemoryEstimate(dense, expert, weights, grads, optimizer, activations, logits)
 
 

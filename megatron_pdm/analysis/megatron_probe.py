@@ -54,13 +54,17 @@ class MegatronProbe:
         self.criteria = criteria
         self.pp = pp
         self.stats_dtype = stats_dtype
+        from megatron_pdm.mcore.lm_head import lm_head_of
+
+        self.head = lm_head_of(model)  # the run's train.fused_head (None: logits)
 
     # ------------------------------------------------------------------ evaluation
 
     def _table_of(self, output_tensor: torch.Tensor, mb) -> TokenTable:
         # The training step's batch -> token_stats call, on a copy in the statistics dtype (bs
         # row order, the order of state_hashes(mb.tokens); the output itself is unused).
-        out = loss_adapter.batch_token_stats(output_tensor, mb, stats_dtype=self.stats_dtype)
+        out = loss_adapter.batch_token_stats(output_tensor, mb, stats_dtype=self.stats_dtype,
+                                             head=self.head)
         f = out.fields
         return token_table(out.stats, f["advantages"], f["behavior_logprob"], f["loss_mask"],
                            self.criteria, seq_ids_N=f["seq_ids"],
@@ -114,7 +118,8 @@ class MegatronProbe:
 
     def step(self, cfg: PolicyLossConfig) -> None:
         optimizer_step(self.model, self.optimizer, self.microbatches,
-                       lambda mb: loss_adapter.make_loss_func(mb, cfg), pp=self.pp)
+                       lambda mb: loss_adapter.make_loss_func(mb, cfg, head=self.head),
+                       pp=self.pp)
 
     def snapshot(self) -> snap_mod.StateSnapshot:
         return snap_mod.take_snapshot(self.model, self.optimizer)

@@ -285,7 +285,8 @@ def run_study(a: StudyArgs) -> dict | None:
             mopt.set_lr(trainer.optimizer, step_lrs[k])
             applied.append(trainer.optimizer.param_groups[0]["lr"])
             optimizer_step(trainer.model, trainer.optimizer, mbs,
-                           lambda mb: loss_adapter.make_loss_func(mb, cfg.loss), pp=pp)
+                           lambda mb: loss_adapter.make_loss_func(mb, cfg.loss,
+                                                                  head=trainer.head), pp=pp)
         mopt.set_lr(trainer.optimizer, step_lrs[j])  # the study's step: the run's lr there
         applied.append(trainer.optimizer.param_groups[0]["lr"])
         probe = MegatronProbe(trainer.model, trainer.optimizer, study_mbs, criteria, pp=pp,

@@ -16,6 +16,11 @@ What this adapter owns (and the core op does not):
   batch shape; when b == s it must be given). THD batches are `[1, total]`.
 - Sequence parallelism. The output layer all-gathers the sequence before the vocab projection,
   so the logits are always full-sequence and vocab-sharded: nothing to undo here.
+- The fused LM head (`head=`, a model built with `train.fused_head`: mcore/lm_head.py). The
+  model's output is then the final hidden states `[b, s, H]` / `[s, b, H]` (full-sequence, the
+  output layer having done its SP all-gather) and `head.weight()` this rank's `[V_local, H]`
+  shard; `fused_token_stats` (parallel/fused_head.py) computes the same statistics without the
+  `[N, V_local]` logits. Layout, row order, fields and checks are the logits path's.
 - The t-1 -> t shift. The row-aligned `PackedBatch` (rollout_bridge.core.packing) already put every
   per-token field on the logits row that scores it: row p scores `labels[p] = tokens[p+1]`.
   No shifting happens here; only loss rows are selected (`loss_mask`).
@@ -43,6 +48,7 @@ from megatron_pdm import metrics as M
 from megatron_pdm.config import PolicyLossConfig
 from megatron_pdm.loss.policy_loss import policy_loss
 from megatron_pdm.ops.stats import TokenStats
+from megatron_pdm.parallel.fused_head import fused_token_stats
 from megatron_pdm.parallel.vocab_parallel import token_stats
 
 _FIELDS = ("labels", "loss_mask", "behavior_logprob", "support_ids", "support_logprobs",
@@ -123,7 +129,8 @@ class BatchStats:
 
 def batch_token_stats(output_tensor: torch.Tensor, batch: Any, *, layout: str = "auto",
                       tp_group: Any = "parallel_state", inplace: bool = False,
-                      stats_dtype: torch.dtype | None = None) -> BatchStats:
+                      stats_dtype: torch.dtype | None = None,
+                      head: Any = None) -> BatchStats:
     """The batch -> `token_stats` call of training and of the mask study (one place).
 
     The batch facts the rollout engine stamped are used as recorded: `temperature`,
@@ -131,30 +138,36 @@ def batch_token_stats(output_tensor: torch.Tensor, batch: Any, *, layout: str = 
     batches run the op with its input checks off: no host sync).
 
     Args:
-        output_tensor: logits `[b, s, Vl]` or `[s, b, Vl]` (this TP rank's vocab shard).
+        output_tensor: logits `[b, s, Vl]` or `[s, b, Vl]` (this TP rank's vocab shard); with
+            `head`, the final hidden states `[b, s, H]` or `[s, b, H]`.
         batch: a `PackedBatch`, padded `[b, s]` or THD `[1, total]`.
         layout: see `to_bsv`.
         tp_group: process group; default: megatron's TP group (None when TP == 1).
-        inplace: let the op work in the logits' storage (fp32 logits; see `token_stats`).
-        stats_dtype: cast the logits to this dtype first (a copy, always in "bs" row order);
-            None: the op reads the logits as they are, as a view (no row-selection copy, like
-            megatron's CE), in the logits' own row order.
+        inplace: let the op work in the logits' storage (fp32 logits; see `token_stats`;
+            nothing to do with `head`).
+        stats_dtype: cast the logits (with `head`: the hidden states and the weight) to this
+            dtype first (a copy, always in "bs" row order); None: the op reads them as they
+            are, as a view (no row-selection copy, like megatron's CE), in their own row order.
+        head: None (the output is logits) or the model's `LMHead` (mcore/lm_head.py,
+            `lm_head_of(model)`): the output is hidden states and `fused_token_stats` applies
+            `head.weight()` [V_local, H] chunk by chunk.
     """
     labels_bs = batch.labels
     b, s = labels_bs.shape
-    logits_bsv = to_bsv(output_tensor, b, s, layout)
+    out_bsx = to_bsv(output_tensor, b, s, layout)
     group = _tp_group() if tp_group == "parallel_state" else tp_group
-    # All rows go through the op: rows without a loss carry an all-invalid support and
-    # loss_mask False, so they add no gradient. For [s, b, Vl] logits viewed without a copy
-    # the small per-token fields are transposed instead.
+    # out_*X: logits (X = Vl) or, with `head`, hidden states (X = H). All rows go through the
+    # op: rows without a loss carry an all-invalid support and loss_mask False, so they add no
+    # gradient. For an [s, b, X] output viewed without a copy the small per-token fields are
+    # transposed instead.
     if stats_dtype is not None:
-        logits_NVl = logits_bsv.reshape(b * s, logits_bsv.shape[-1]).to(stats_dtype)
+        out_NX = out_bsx.reshape(b * s, out_bsx.shape[-1]).to(stats_dtype)
         rows = "bs"
-    elif logits_bsv.is_contiguous():
-        logits_NVl = logits_bsv.reshape(b * s, logits_bsv.shape[-1])
+    elif out_bsx.is_contiguous():
+        out_NX = out_bsx.reshape(b * s, out_bsx.shape[-1])
         rows = "bs"
     else:
-        logits_NVl = output_tensor.reshape(s * b, output_tensor.shape[-1])
+        out_NX = output_tensor.reshape(s * b, output_tensor.shape[-1])
         rows = "sb"
 
     def flat(name: str) -> torch.Tensor:
@@ -166,26 +179,35 @@ def batch_token_stats(output_tensor: torch.Tensor, batch: Any, *, layout: str = 
     f = {name: flat(name) for name in _FIELDS}
     # Checked once where the rollouts entered (batch.validated): no checks, no host syncs here.
     check = not bool(getattr(batch, "validated", False))
-    stats = token_stats(
-        logits_NVl, f["labels"], f["support_ids"], f["support_logprobs"], f["support_valid"],
-        tp_group=group, vocab_size=batch_vocab_size(batch), temperature=float(batch.temperature),
-        validate=check, inplace=inplace)
+    args = (f["labels"], f["support_ids"], f["support_logprobs"], f["support_valid"])
+    kw = dict(tp_group=group, vocab_size=batch_vocab_size(batch),
+              temperature=float(batch.temperature), validate=check)
+    if head is None:
+        stats = token_stats(out_NX, *args, inplace=inplace, **kw)
+    else:
+        # hidden out_NX [N, H] x weight [V_local, H]: the [N, V_local] logits are never formed.
+        weight_VH = head.weight() if stats_dtype is None else head.weight().to(stats_dtype)
+        stats = fused_token_stats(out_NX, weight_VH, *args, token_chunk=head.token_chunk,
+                                  vocab_chunk=head.vocab_chunk, **kw)
     return BatchStats(stats, f, rows, check)
 
 
 def policy_loss_func(output_tensor: torch.Tensor, *, batch: Any, cfg: PolicyLossConfig,
                      layout: str = "auto", tp_group: Any = "parallel_state",
-                     inplace: bool = True):
+                     inplace: bool = True, head: Any = None):
     """megatron-core loss_func: PDM/DPPO/GRPO/DRPO policy loss on vocab-parallel logits.
 
     Args:
-        output_tensor: logits `[b, s, Vl]` or `[s, b, Vl]` (this TP rank's vocab shard).
+        output_tensor: logits `[b, s, Vl]` or `[s, b, Vl]` (this TP rank's vocab shard); with
+            `head`, the final hidden states `[b, s, H]` or `[s, b, H]`.
         batch: a `PackedBatch`, padded `[b, s]` or THD `[1, total]`; its `temperature`,
             `vocab_size` and `validated` are used as recorded by the rollout engine.
         cfg: the loss config (preset).
         layout: see `to_bsv`.
         tp_group: process group; default: megatron's TP group (None when TP == 1).
         inplace: let the op work in the logits' storage (fp32 logits; see `token_stats`).
+        head: the model's `LMHead` when it was built with the fused head (see
+            `batch_token_stats`), else None.
 
     Returns:
         (loss_sum, num_tokens int tensor, metrics {key: tensor([sum, count])}).
@@ -193,7 +215,7 @@ def policy_loss_func(output_tensor: torch.Tensor, *, batch: Any, cfg: PolicyLoss
     # inplace: fp32 logits are consumed like megatron's CE consumes them (exp kept in their
     # storage for backward, gradient written there); nothing else reads the logits afterwards.
     out = batch_token_stats(output_tensor, batch, layout=layout, tp_group=tp_group,
-                            inplace=inplace)
+                            inplace=inplace, head=head)
     f = out.fields
     mask_N = f["loss_mask"].to(torch.bool)
     loss_sum, num_tokens, metrics = policy_loss(
@@ -205,10 +227,11 @@ def policy_loss_func(output_tensor: torch.Tensor, *, batch: Any, cfg: PolicyLoss
 
 
 def make_loss_func(batch: Any, cfg: PolicyLossConfig, *, layout: str = "auto",
-                   inplace: bool = True):
-    """Binds a micro-batch: returns `loss_func(output_tensor)` for a megatron forward_step."""
+                   inplace: bool = True, head: Any = None):
+    """Binds a micro-batch: returns `loss_func(output_tensor)` for a megatron forward_step.
+    `head`: `lm_head_of(model)` (mcore/lm_head.py): None for megatron's own output layer."""
     return functools.partial(policy_loss_func, batch=batch, cfg=cfg, layout=layout,
-                             inplace=inplace)
+                             inplace=inplace, head=head)
 
 
 def reduce_metrics(forward_data_store: list[dict], group=None) -> dict[str, float]:

@@ -34,6 +34,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_pdm.arch import Qwen3MoeArch
+from megatron_pdm.mcore.lm_head import install_fused_head
 
 
 class TorchRMSNorm:
@@ -172,14 +173,19 @@ def build_model(
     use_te: bool = False,
     parallel_output: bool = True,
     vp_stage: Optional[int] = None,
+    fused_head: bool = False,
 ) -> GPTModel:
-    """Builds the (TP/EP/PP-local) GPTModel; call after `initialize_model_parallel`."""
+    """Builds the (TP/EP/PP-local) GPTModel; call after `initialize_model_parallel`.
+
+    fused_head: the last stage's output layer returns hidden states and the loss applies the
+    LM head itself (mcore/lm_head.py); False: megatron's output layer (logits).
+    """
     block = layer_spec(arch, use_te=use_te)
     n_local = _local_layer_count(config, 0)
     block = TransformerBlockSubmodules(
         layer_specs=block.layer_specs[:n_local], layer_norm=block.layer_norm
     )
-    return GPTModel(
+    gpt = GPTModel(
         config=config,
         transformer_layer_spec=block,
         vocab_size=arch.padded_vocab(config.tensor_model_parallel_size),
@@ -192,3 +198,4 @@ def build_model(
         rotary_base=int(arch.rotary_base),
         vp_stage=vp_stage,
     )
+    return install_fused_head(gpt) if fused_head else gpt

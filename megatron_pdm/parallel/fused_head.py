@@ -54,6 +54,7 @@ from megatron_pdm.ops.stats import (
     log_sums,
 )
 from megatron_pdm.ops.validation import check_token_args, check_vocab_size, validate_token_inputs
+from megatron_pdm.parallel.collectives import all_reduce, check_reduced_rows, group_rank_world
 from megatron_pdm.parallel.shard_math import (
     GradRows,
     MaskedColumns,
@@ -66,7 +67,6 @@ from megatron_pdm.parallel.shard_math import (
     work_dtype,
 )
 from megatron_pdm.parallel.shards import ShardInfo, shard_info
-from megatron_pdm.parallel.vocab_parallel import _all_reduce, _check_rows, _group_rank_world
 
 __all__ = ["DEFAULT_TOKEN_CHUNK", "DEFAULT_VOCAB_CHUNK", "fused_token_stats"]
 
@@ -133,7 +133,7 @@ class _FusedHeadTokenStats(torch.autograd.Function):
                 hidden, weight, sampled_ids, support_ids, support_valid, shard, temperature,
                 token_chunk, vocab_chunk, work)
             # Collective 1/2 (MAX of [N]): the global tail max, the shift of every exp.
-            tail_max_N = _all_reduce(local_max_N.clone(), dist.ReduceOp.MAX, group)
+            tail_max_N = all_reduce(local_max_N.clone(), dist.ReduceOp.MAX, group)
             shift_N = exp_shift(tail_max_N)
             f_N = torch.where(local_max_N == -torch.inf, 0.0,
                               torch.exp(exp_shift(local_max_N) - shift_N))
@@ -141,7 +141,7 @@ class _FusedHeadTokenStats(torch.autograd.Function):
             cols = MaskedColumns(torch.zeros_like(owned_NM, dtype=torch.long), owned_NM, z_NM)
             packed_NP = pack_sums(cols, sums_N2, temperature)
             # Collective 2/2 (SUM of [N, S+3]): z_S, z_k (owner-gathered), Z_T, S2_T.
-            packed_NP = _all_reduce(packed_NP, dist.ReduceOp.SUM, group)
+            packed_NP = all_reduce(packed_NP, dist.ReduceOp.SUM, group)
             # Everything below is replicated across the TP group: no more communication.
             is_k_NS = is_sampled_slot(support_ids, support_valid, sampled_ids)
             ls = log_sums(tail_max_N, packed_NP[:, :s], packed_NP[:, s], packed_NP[:, s + 1],
@@ -252,7 +252,7 @@ def fused_token_stats(
     for name, val in (("token_chunk", token_chunk), ("vocab_chunk", vocab_chunk)):
         if isinstance(val, bool) or not isinstance(val, int) or val < 1:
             raise ValueError(f"{name} must be an int >= 1, got {val!r}")
-    rank, world = _group_rank_world(tp_group)
+    rank, world = group_rank_world(tp_group)
     check_vocab_size(vocab_size)
     v_local = weight_vh.shape[0]
     if vocab_size is None:
@@ -284,5 +284,5 @@ def fused_token_stats(
         vocab_size=vocab_size,
     )
     if validate and logprob_N.numel():
-        _check_rows(stats, tail_max_N, packed_NP)
+        check_reduced_rows(stats, tail_max_N, packed_NP)
     return stats

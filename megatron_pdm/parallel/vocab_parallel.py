@@ -55,7 +55,8 @@ Temperature: the tempered logits z/T are formed inside the passes (the caller's 
 modified by the default path).
 
 The per-shard math (masking, the passes, the local backward) lives in parallel/shard_math.py;
-this module holds the autograd op, its two collectives and the public `token_stats`.
+this module holds the autograd op, its two collectives (through parallel/collectives.py, shared
+with the fused LM head) and the public `token_stats`.
 
 Shape legend: N tokens, Vl local vocab shard (padded), S support slots, M = S + 1 masked slots.
 """
@@ -74,6 +75,7 @@ from megatron_pdm.ops.stats import (
     log_sums,
 )
 from megatron_pdm.ops.validation import check_token_args, check_vocab_size, validate_token_inputs
+from megatron_pdm.parallel.collectives import all_reduce, check_reduced_rows, group_rank_world
 from megatron_pdm.parallel.shard_math import (
     DEFAULT_CHUNK_ELEMS,
     GradRows,
@@ -90,20 +92,6 @@ from megatron_pdm.parallel.shard_math import (
 from megatron_pdm.parallel.shards import shard_info
 
 __all__ = ["token_stats"]
-
-
-def _all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
-    """The single door for collectives (tests patch it to count calls). No-op for world size 1."""
-    if group is None or dist.get_world_size(group) == 1:
-        return t
-    dist.all_reduce(t, op=op, group=group)
-    return t
-
-
-def _group_rank_world(group) -> tuple[int, int]:
-    if group is None:
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
 
 
 class _VocabParallelTokenStats(torch.autograd.Function):
@@ -133,7 +121,7 @@ class _VocabParallelTokenStats(torch.autograd.Function):
             try:
                 tail_max_N = shard_tail_max(real_NV, temperature, work)
                 # Collective 1/2 (MAX of [N]): the global tail max, the shift of every exp.
-                tail_max_N = _all_reduce(tail_max_N, dist.ReduceOp.MAX, group)
+                tail_max_N = all_reduce(tail_max_N, dist.ReduceOp.MAX, group)
                 shift_N = exp_shift(tail_max_N)
                 sums_N2 = shard_tail_sums(real_NV, shift_N, temperature, chunk_elems,
                                           in_storage=holds_exp)
@@ -142,7 +130,7 @@ class _VocabParallelTokenStats(torch.autograd.Function):
                     restore_columns(real_NV, cols)
             packed_NP = pack_sums(cols, sums_N2, temperature)
             # Collective 2/2 (SUM of [N, S+3]): z_S, z_k (owner-gathered), Z_T, S2_T.
-            packed_NP = _all_reduce(packed_NP, dist.ReduceOp.SUM, group)
+            packed_NP = all_reduce(packed_NP, dist.ReduceOp.SUM, group)
             # Everything below is replicated across the TP group: no more communication.
             is_k_NS = is_sampled_slot(support_ids, support_valid, sampled_ids)
             ls = log_sums(tail_max_N, packed_NP[:, :s], packed_NP[:, s], packed_NP[:, s + 1],
@@ -171,24 +159,6 @@ class _VocabParallelTokenStats(torch.autograd.Function):
                                               temperature=ctx.temperature,
                                               chunk_elems=ctx.chunk_elems)
         return grad_logits, None, None, None, None, None, None, None, None
-
-
-def _check_rows(stats: TokenStats, tail_max_N: torch.Tensor, packed_NP: torch.Tensor) -> None:
-    """validate=True: NaN / +inf anywhere in a row's real logits, or a row with no finite logit,
-    is an error naming the row. The inputs are replicated after the collectives, so every TP
-    rank raises together (no hang). One host sync (more only on the error path)."""
-    s = stats.support_valid.shape[1]
-    z_s, z_k = packed_NP[:, :s], packed_NP[:, s]
-    bad_N = torch.isnan(tail_max_N) | (tail_max_N == torch.inf)
-    bad_N |= (stats.support_valid & (torch.isnan(z_s) | (z_s == torch.inf))).any(-1)
-    bad_N |= torch.isnan(z_k) | (z_k == torch.inf)
-    dead_N = ~bad_N & torch.isnan(stats.logprob.detach())
-    flags_2N = torch.stack([bad_N, dead_N])
-    if bool(flags_2N.any()):
-        which, row = (int(i) for i in flags_2N.nonzero()[0])
-        if which == 0:
-            raise ValueError(f"logits: row {row} has non-finite values (NaN or +inf)")
-        raise ValueError(f"logits: row {row} has no finite logit (every real logit is -inf)")
 
 
 def token_stats(
@@ -256,7 +226,7 @@ def token_stats(
             or bad support entries (row and slot named),
             and (validate) on rows with NaN / +inf logits or no finite logit (row named).
     """
-    rank, world = _group_rank_world(tp_group)
+    rank, world = group_rank_world(tp_group)
     check_vocab_size(vocab_size)
     if vocab_size is None:
         if world > 1:
@@ -286,5 +256,5 @@ def token_stats(
         vocab_size=vocab_size,
     )
     if validate and logprob_N.numel():
-        _check_rows(stats, tail_max_N, packed_NP)
+        check_reduced_rows(stats, tail_max_N, packed_NP)
     return stats

@@ -336,6 +336,11 @@ class TrainConfig:
     recompute: Literal["none", "full", "selective"] = "none"
     """Activation recomputation: "none", "full" (every layer, uniform) or "selective"
     (core attention)."""
+    fused_head: bool = False
+    """Fused LM head: the last stage's output layer hands the final hidden states and its
+    weight shard to the loss, which computes the token statistics chunk by chunk without the
+    [tokens, V/TP] logits (mcore/lm_head.py, docs/op.md "Fused LM head in the model"). Same
+    loss and gradients; false (default): megatron's output layer materialises the logits."""
 
     def __post_init__(self) -> None:
         check_fields(self, "train")

@@ -84,7 +84,8 @@ def dry_run(cfg: RunConfig) -> int:
                                  fp8=cfg.precision.fp8 is not None,
                                  distributed_optimizer=p.use_distributed_optimizer,
                                  recompute=cfg.train.recompute,
-                                 num_microbatches=cfg.train.microbatches_per_minibatch)
+                                 num_microbatches=cfg.train.microbatches_per_minibatch,
+                                 fused_head_chunk=_fused_head_chunk(cfg))
     if rank0:
         print(layout.format_report(arch, lay, est), flush=True)
         print(f"  micro-batch: {micro} x {seq} tokens ({cfg.rollout.prompts_per_iteration} "
@@ -99,3 +100,12 @@ def dry_run(cfg: RunConfig) -> int:
             # The rollout copy of the policy doubles the weights (no grads/optimizer).
             print(f"  + rollout copy weights {est.weights / layout.GIB:8.4f} GiB", flush=True)
     return 0
+
+
+def _fused_head_chunk(cfg) -> tuple[int, int] | None:
+    """The fused LM head's logits chunk (train.fused_head), or None: the logits materialised."""
+    if not cfg.train.fused_head:
+        return None
+    from megatron_pdm.parallel.fused_head import DEFAULT_TOKEN_CHUNK, DEFAULT_VOCAB_CHUNK
+
+    return DEFAULT_TOKEN_CHUNK, DEFAULT_VOCAB_CHUNK

@@ -47,6 +47,7 @@ from megatron_pdm.mcore import checkpoint as ckpt
 from megatron_pdm.mcore import ckpt_files
 from megatron_pdm.mcore import loss_adapter
 from megatron_pdm.mcore import optimizer as mopt
+from megatron_pdm.mcore.lm_head import lm_head_of
 from megatron_pdm.mcore.model import build_model, transformer_config
 from megatron_pdm.mcore.parallel import current_parallel_info, init_parallel
 from megatron_pdm.train import model_setup as ms
@@ -93,7 +94,9 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         gpt = build_model(self.arch, self.tconfig, use_te=ms.use_te(cfg),
                           pre_process=ps.is_pipeline_first_stage(ignore_virtual=True),
-                          post_process=self.is_last_stage)
+                          post_process=self.is_last_stage, fused_head=cfg.train.fused_head)
+        # train.fused_head: the losses apply the LM head themselves (None: the model's logits).
+        self.head = lm_head_of(gpt)
         if self.meta is not None:
             ms.load_initial_weights(gpt, cfg.checkpoint.load_dir, self.meta, tp=p.tp,
                                     style=ms.key_style(cfg))
@@ -224,7 +227,8 @@ class Trainer:
             batch = wu.sft_batch(self.task, problems, pad_id=self.task.pad_id,
                                  pad_to_multiple_of=ms.seq_multiple(self.cfg))
             mbs = [batch.select_rows(m) for m in self._dp_microbatches(torch.arange(w.batch_size))]
-            means, _ = self._step(mbs, lambda mb: (lambda out: wu.sft_loss_func(out, mb, vocab)))
+            means, _ = self._step(mbs, lambda mb: (
+                lambda out: wu.sft_loss_func(out, mb, vocab, head=self.head)))
             loss, done = means[M.SFT_LOSS], i + 1
             if rule.due(done):
                 self.sync_weights()
@@ -269,7 +273,7 @@ class Trainer:
             lr = rl_lr(cfg.train, self.step)  # from the step count: a resume continues it
             mopt.set_lr(self.optimizer, lr)
             means, grad_norm = self._step(
-                mbs, lambda mb: loss_adapter.make_loss_func(mb, cfg.loss))
+                mbs, lambda mb: loss_adapter.make_loss_func(mb, cfg.loss, head=self.head))
             self.step += 1
             last = {M.STEP: self.step, M.ITERATION: self.iteration, M.MINIBATCH: j,
                     M.REWARD_MEAN: sum(rewards) / len(rewards),

@@ -85,11 +85,16 @@ def sft_batch(task, problems: list, *, pad_id: int, pad_to_multiple_of: int) -> 
                     position_ids=torch.arange(padded).expand(b, padded).contiguous())
 
 
-def sft_loss_func(logits_bsv: torch.Tensor, mb: SftBatch, vocab_size: int):
-    """Cross-entropy on answer rows; megatron's padded vocab ids are pushed out of the softmax."""
+def sft_loss_func(logits_bsv: torch.Tensor, mb: SftBatch, vocab_size: int, *, head=None):
+    """Cross-entropy on answer rows; megatron's padded vocab ids are pushed out of the softmax.
+    `head`: a fused-head model's `LMHead` (mcore/lm_head.py): the output is hidden states
+    [b, s, H] and the logits are formed here with the output layer's matmul (the warm-up is
+    plain cross-entropy; the fused statistics op is the RL loss's)."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
+    if head is not None:
+        logits_bsv = head.logits(logits_bsv)
     vl = logits_bsv.shape[-1]
     start = ps.get_tensor_model_parallel_rank() * vl
     pad_cols = torch.arange(start, start + vl, device=logits_bsv.device) >= vocab_size

@@ -277,4 +277,4 @@ def test_the_study_probe_reads_a_batch_through_batch_token_stats(monkeypatch):
     monkeypatch.setattr(loss_adapter, "batch_token_stats", spy)
     probe = MegatronProbe(None, None, [packed], [], pp=1)
     probe._table_of(torch.randn(b, s, V_PADDED), packed)
-    assert calls == [{"stats_dtype": torch.float64}]
+    assert calls == [{"stats_dtype": torch.float64, "head": None}]  # None: logits, no fused head

@@ -74,6 +74,25 @@ def test_memory_terms_follow_the_layout():
     assert fp8.weights > e1.weights
 
 
+def test_fused_head_logits_term_is_one_chunk_flat_in_the_vocabulary():
+    import dataclasses
+
+    arch = _arch()
+    lay = validate_layout(arch, world_size=16, tp=4, pp=1, ep=8)
+    big = validate_layout(dataclasses.replace(arch, vocab_size=4 * arch.vocab_size),
+                          world_size=16, tp=4, pp=1, ep=8)
+    kw = dict(micro_batch_size=2, seq_length=8192)
+    plain = estimate_memory(arch, lay, **kw)
+    assert plain.logits == 2 * 16384 * (lay.padded_vocab_size // 4) * 4
+    fused = estimate_memory(arch, lay, fused_head_chunk=(1024, 4096), **kw)
+    assert fused.logits == 2 * 1024 * 4096 * 4 < plain.logits
+    assert estimate_memory(arch, big, fused_head_chunk=(1024, 4096), **kw).logits == fused.logits
+    assert estimate_memory(arch, big, **kw).logits > plain.logits
+    tiny = estimate_memory(arch, lay, micro_batch_size=1, seq_length=64,
+                           fused_head_chunk=(1024, 4096))
+    assert tiny.logits == 2 * 64 * 4096 * 4  # never more than the logits themselves
+
+
 def test_bad_layouts_list_every_problem():
     arch = _arch()
     with pytest.raises(ValueError) as err:
