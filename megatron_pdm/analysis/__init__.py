@@ -2,8 +2,9 @@
 
 Does the predictive direction keep fewer unsafe updates? For each seed the study fixes a model +
 optimizer state and a batch, computes D, the masks and Ddot of several direction criteria on the
-same tokens, takes ONE real optimizer step per criterion from the same state, recomputes D
-against the stored behaviour policy and counts what happened to the tokens each mask kept.
+same tokens, takes ONE real optimizer step per criterion from the same state (and two control
+steps: momentum only, own gradient only), recomputes D against the stored behaviour policy and
+counts what happened to the tokens each mask kept.
 
 Modules (one job each):
 
@@ -17,7 +18,10 @@ Modules (one job each):
     summary.py        across seeds: pooled and mean rates, paired wins, bootstrap intervals
     plots.py          the PNGs (paired per-seed comparison, predicted vs realised, global term)
     report.py         JSON and Markdown outputs
+    sources.py        where out-of-region tokens come from (drift / engine precision / staleness)
+    power.py          the seed count of the paired test, from an effect and a pilot's spread
     study.py          the whole study (what megatron-pdm-analyze-masks runs under torchrun)
+    own_runs.py       design "runs": each criterion's own training run, measured at every step
 
 The driver's opt-in rollout saver that feeds it lives in train/rollout_store.py (the driver
 may not import this package).

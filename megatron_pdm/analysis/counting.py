@@ -14,6 +14,17 @@ both against the stored behaviour policy mu):
     own sign accuracy   on kept active tokens: sign(away) == sign(dD) after the criterion's own
                         step (tokens with |dD| <= tol or away == 0 are left out)
 
+Decomposition controls (when the after tables carry them, criteria.control_key): the same
+tokens and the same masks, D's change after two other steps from the same state, counted like
+the full step with the key suffix "@momentum" / "@gradient":
+
+    @momentum   the zero-gradient step (the optimizer's momentum alone, one table for all
+                criteria; each criterion's kept set is counted on it)
+    @gradient   plain SGD on the criterion's own masked loss (no optimizer state)
+
+so every unsafe-keep rate, shrink share, mean dD and own sign accuracy stands next to what
+the momentum alone and the masked gradient alone would have given.
+
 Prediction scores against the unmasked reference step (every token's own update applied): for
 every criterion's direction, the share of active tokens whose sign(away) matches sign(dD_ref),
 overall, out of region, and on each predictive criterion's disagreement set, where exactly one
@@ -31,7 +42,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_pdm.analysis.criteria import KEEP_ALL, Criterion
+from megatron_pdm.analysis.criteria import CONTROLS, KEEP_ALL, Criterion, control_key
 from megatron_pdm.analysis.token_table import TokenTable
 
 __all__ = ["count_seed", "rate", "shared_state"]
@@ -64,34 +75,48 @@ def _check_aligned(before: TokenTable, after: TokenTable, name: str) -> None:
                          "table (token order changed between evaluations)")
 
 
-def _criterion_counts(c: Criterion, before: TokenTable, after: TokenTable,
+def _step_counts(kept_oor: torch.Tensor, kept_active: torch.Tensor, away: torch.Tensor,
+                 delta_d: torch.Tensor, tol: float, suffix: str = "") -> dict:
+    """What one step did to a criterion's kept tokens (keys end with `suffix`)."""
+    n_kept_oor = _n(kept_oor)
+    n_unsafe = _n(kept_oor & (delta_d > tol))
+    n_shrink = _n(kept_oor & (delta_d < -tol))
+    own_ok, own_n = _sign_hits(away, delta_d, kept_active, tol)
+    out = {"n_unsafe_kept": n_unsafe, "n_shrink_kept": n_shrink,
+           "n_flat_kept": n_kept_oor - n_unsafe - n_shrink,
+           "unsafe_keep_rate": rate(n_unsafe, n_kept_oor),
+           "shrink_share": rate(n_shrink, n_kept_oor),
+           "mean_delta_d_kept_out_of_region": (float(delta_d[kept_oor].mean()) if n_kept_oor
+                                               else None),
+           "sum_delta_d_kept_out_of_region": float(delta_d[kept_oor].sum()),
+           "own_sign_correct": own_ok, "own_sign_decided": own_n,
+           "own_sign_accuracy": rate(own_ok, own_n)}
+    return {k + suffix: v for k, v in out.items()}
+
+
+def _criterion_counts(c: Criterion, before: TokenTable, after: dict[str, TokenTable],
                       baseline_away: torch.Tensor | None, tol: float) -> dict:
     active = before["adv"] != 0
     d0 = before[c.divergence]
-    delta_d = after[c.divergence] - d0
     delta = c.cfg.delta_high  # delta_low == delta_high for every study criterion
     oor = active & (d0 > delta)
     kept = before[f"keep/{c.name}"] > 0
     away = before[f"away/{c.name}"]
     kept_oor = kept & oor
-    n_kept_oor = _n(kept_oor)
-    n_unsafe = _n(kept_oor & (delta_d > tol))
-    n_shrink = _n(kept_oor & (delta_d < -tol))
-    own_ok, own_n = _sign_hits(away, delta_d, kept & active, tol)
+    delta_d = after[c.name][c.divergence] - d0
     out = {
         "divergence": c.divergence, "delta": delta,
-        "n_out_of_region": _n(oor), "n_kept_out_of_region": n_kept_oor,
-        "n_masked_out_of_region": _n(oor & ~kept), "n_unsafe_kept": n_unsafe,
-        "n_shrink_kept": n_shrink, "n_flat_kept": n_kept_oor - n_unsafe - n_shrink,
-        "unsafe_keep_rate": rate(n_unsafe, n_kept_oor),
-        "shrink_share": rate(n_shrink, n_kept_oor),
-        "mean_delta_d_kept_out_of_region": (float(delta_d[kept_oor].mean()) if n_kept_oor
-                                            else None),
-        "own_sign_correct": own_ok, "own_sign_decided": own_n,
-        "own_sign_accuracy": rate(own_ok, own_n),
+        "n_out_of_region": _n(oor), "n_kept_out_of_region": _n(kept_oor),
+        "n_masked_out_of_region": _n(oor & ~kept),
+        **_step_counts(kept_oor, kept & active, away, delta_d, tol),
         "n_disagree": None, "n_disagree_out_of_region": None,
         "own_sign_accuracy_disagree": None,
     }
+    for control in CONTROLS:  # the same tokens and masks under the control steps
+        key = control_key(c.name, control)
+        if key in after:
+            out.update(_step_counts(kept_oor, kept & active, away,
+                                    after[key][c.divergence] - d0, tol, f"@{control}"))
     if baseline_away is not None:
         dis = active & ((away > 0) != (baseline_away > 0))
         ok, n = _sign_hits(away, delta_d, dis & kept, tol)
@@ -153,7 +178,8 @@ def count_seed(criteria: list[Criterion], before: TokenTable, after: dict[str, T
         criteria: the compared criteria.
         before: the table before any step (masks, directions and D of every criterion).
         after: criterion name -> table after ITS step from the same state; KEEP_ALL -> after
-            the unmasked reference step (optional: without it there are no prediction scores).
+            the unmasked reference step (optional: without it there are no prediction scores);
+            optionally the control steps under `criteria.control_key` (module docstring).
         tol: dead zone of dD (>= 0).
 
     Returns:
@@ -170,7 +196,7 @@ def count_seed(criteria: list[Criterion], before: TokenTable, after: dict[str, T
     per = {}
     for c in criteria:
         base_away = before[f"away/{c.baseline}"] if c.baseline is not None else None
-        per[c.name] = _criterion_counts(c, before, after[c.name], base_away, tol)
+        per[c.name] = _criterion_counts(c, before, after, base_away, tol)
     pred = (_prediction_scores(criteria, before, after[KEEP_ALL], tol) if KEEP_ALL in after
             else {})
     shared = shared_state(before)

@@ -29,14 +29,38 @@ from megatron_pdm.configtree import ConfigError
 __all__ = [
     "CRITERIA",
     "DEFAULT_CRITERIA",
+    "CONTROLS",
     "KEEP_ALL",
+    "MOMENTUM_ONLY",
     "Criterion",
+    "control_key",
     "build_criteria",
     "keep_all_config",
 ]
 
 KEEP_ALL = "keep-all"
 """Name of the unmasked reference step."""
+
+MOMENTUM_ONLY = "momentum-only"
+"""Name of the zero-gradient control step: the optimizer's step from the same state with every
+gradient zero (Adam: the displacement of its momentum alone; criterion-independent)."""
+
+CONTROLS = ("momentum", "gradient")
+"""The decomposition controls beside every criterion's full step: "momentum" (the zero-gradient
+step, `MOMENTUM_ONLY`) and "gradient" (plain SGD on the criterion's own masked loss, no optimizer
+state: `control_key(name, "gradient")`)."""
+
+
+def control_key(name: str, control: str) -> str:
+    """The after-step table key of criterion `name` under `control` ("full", "momentum",
+    "gradient")."""
+    if control == "full":
+        return name
+    if control == "momentum":
+        return MOMENTUM_ONLY
+    if control == "gradient":
+        return f"{name}@own-gradient"
+    raise ValueError(f"control {control!r}: one of 'full', 'momentum', 'gradient'")
 
 # name -> (proximity, direction, tail)
 CRITERIA: dict[str, tuple[str, str, str]] = {

@@ -10,6 +10,10 @@
 - `step(cfg)` is the driver's own optimizer step (`train/schedule.optimizer_step`: zero grads,
   megatron forward/backward with `mcore/loss_adapter.make_loss_func(mb, cfg)`, the run's optimizer
   with its Adam state, gradient clipping and DP/TP reductions).
+- the decomposition controls: `step_momentum()` is the optimizer's step with every gradient
+  buffer zero (no forward/backward: Adam moves by its momentum alone, plus weight decay if the
+  run has any); `step_gradient(cfg, lr)` runs the same forward/backward as `step` and moves each
+  parameter by -lr * its finalised `main_grad` (plain SGD, no optimizer state, no clipping).
 - `snapshot` / `restore` / `verify` are `analysis/snapshot.py` on this rank; `verify` makes every
   rank see the worst rank's result.
 """
@@ -23,7 +27,8 @@ from megatron_pdm.analysis import snapshot as snap_mod
 from megatron_pdm.analysis.token_table import TokenTable, state_hashes, token_table
 from megatron_pdm.config import PolicyLossConfig
 from megatron_pdm.mcore import loss_adapter
-from megatron_pdm.train.schedule import optimizer_step
+from megatron_pdm.mcore import optimizer as mopt
+from megatron_pdm.train.schedule import forward_backward, optimizer_step
 
 __all__ = ["MegatronProbe", "verify_all_ranks"]
 
@@ -120,6 +125,31 @@ class MegatronProbe:
         optimizer_step(self.model, self.optimizer, self.microbatches,
                        lambda mb: loss_adapter.make_loss_func(mb, cfg, head=self.head),
                        pp=self.pp)
+
+    def step_momentum(self) -> None:
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self.optimizer.step()  # zero gradients: Adam's displacement from its moments alone
+
+    @torch.no_grad()
+    def _sgd(self, lr: float) -> None:
+        for p in self.model.module.parameters():
+            if p.requires_grad:
+                p.add_(p.main_grad.to(p.dtype), alpha=-lr)
+
+    def step_gradient(self, cfg: PolicyLossConfig, lr: float) -> None:
+        from megatron.core import parallel_state as ps
+
+        if (mopt.uses_distributed_optimizer(self.optimizer)
+                and dist.get_world_size(ps.get_data_parallel_group()) > 1):
+            # the DistributedOptimizer reduce-scatters gradients over DP: each rank's buffer
+            # holds the reduced gradient of its own shard only
+            raise ValueError("the own-gradient control (--sgd-lr) needs DP = 1 or "
+                             "parallel.use_distributed_optimizer=false")
+        forward_backward(self.model, self.optimizer, self.microbatches,
+                         lambda mb: loss_adapter.make_loss_func(mb, cfg, head=self.head),
+                         pp=self.pp)
+        self._sgd(lr)
 
     def snapshot(self) -> snap_mod.StateSnapshot:
         return snap_mod.take_snapshot(self.model, self.optimizer)

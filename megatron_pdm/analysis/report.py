@@ -34,10 +34,11 @@ def _clean(x):
     return x
 
 
-def write_json(path: str, setup: dict, summary: dict, per_seed: list[dict]) -> str:
+def write_json(path: str, setup: dict, summary: dict, per_seed: list[dict], **extra) -> str:
+    """results.json; `extra` (e.g. design "runs"' per_step rows) is stored beside."""
     with open(path, "w") as f:
-        json.dump(_clean({"setup": setup, "summary": summary, "per_seed": per_seed}), f,
-                  indent=1)
+        json.dump(_clean({"setup": setup, "summary": summary, "per_seed": per_seed, **extra}),
+                  f, indent=1)
     return path
 
 
@@ -72,6 +73,29 @@ def _criteria_table(summary: dict) -> list[str]:
             f"{_num(c['mean_n_kept_out_of_region'])} | {dis} | {_pct(u['pooled'])} | "
             f"{_pct(u['mean'])}{_ci(u['ci95'])} | {_pct(c['shrink_share']['pooled'])} | "
             f"{_pct(c['own_sign_accuracy']['pooled'])} |")
+    return lines
+
+
+def _controls_table(summary: dict) -> list[str]:
+    """Each criterion's rates under its full step and the two controls, side by side."""
+    crit = summary["criteria"]
+    if not any("unsafe_keep_rate@momentum" in c for c in crit.values()):
+        return ["(decomposition controls not run: pass --sgd-lr)"]
+    lines = [("| criterion | unsafe-keep rate: full step / momentum only / own gradient | "
+              "shrink share: full / momentum / gradient | mean ΔD of kept out-of-region: "
+              "full / momentum / gradient | Ḋ sign accuracy on kept tokens: full / momentum / "
+              "gradient |"), "|---|---|---|---|---|"]
+
+    def three(c, key, fmt):
+        return " / ".join(fmt(c.get(f"{key}{sfx}", {}).get("pooled") if key != "mean_delta_d"
+                              else c.get(f"mean_delta_d_kept_out_of_region{sfx}"))
+                          for sfx in ("", "@momentum", "@gradient"))
+
+    for name, c in crit.items():
+        lines.append(f"| {name} | {three(c, 'unsafe_keep_rate', _pct)} | "
+                     f"{three(c, 'shrink_share', _pct)} | "
+                     f"{three(c, 'mean_delta_d', lambda x: _num(x, 5) if x is not None else 'n/a')}"
+                     f" | {three(c, 'own_sign_accuracy', _pct)} |")
     return lines
 
 
@@ -111,18 +135,33 @@ def _prediction_table(summary: dict) -> list[str]:
 def markdown(setup: dict, summary: dict) -> str:
     """The results page (see the module docstring)."""
     p = PAPER
+    if setup.get("design") == "runs":
+        where = ("design: each criterion's own training run from the same start, counted at "
+                 f"every one of its {setup.get('steps_per_run')} optimizer steps and pooled per "
+                 "run (a seed = one run per criterion)")
+    else:
+        where = (f"design: one step per criterion from the same state, out-of-region source "
+                 f"{setup.get('source')}, analysis minibatch {setup.get('minibatch')} after "
+                 f"{setup.get('stale_steps')} driver steps since the batch was generated")
+    power = setup.get("power")
     head = [
         f"# Token-level mask study: {summary['seeds']} seeds",
         "",
         (f"Checkpoint `{setup.get('checkpoint')}` (iteration "
-         f"{setup.get('checkpoint_iteration')}), batches: {setup.get('batch_source')}, analysis "
-         f"minibatch {setup.get('minibatch')} after {setup.get('stale_steps')} driver steps on "
-         f"the same rollout batch, layout TP={setup.get('tp')} DP={setup.get('dp')} "
+         f"{setup.get('checkpoint_iteration')}), batches: {setup.get('batch_source')}, {where}, "
+         f"engine copy {setup.get('rollout_precision')}, "
+         f"layout TP={setup.get('tp')} DP={setup.get('dp')} "
          f"PP={setup.get('pp')}, optimizer {setup.get('optimizer')} with "
          f"{setup.get('adam_state')} Adam state, lr {setup.get('lr')}, statistics in "
          f"{setup.get('stats_dtype')}, wall time {_num(setup.get('wall_s'), 0)} s "
          f"({_num(setup.get('seconds_per_seed'), 1)} s per seed)."),
         "",
+        *([] if not power else [
+            (f"Seeds from the power analysis made before the run: {power['t_test']} for a "
+             f"paired difference of {100 * power['effect']:+.2f} pp at a per-seed SD of "
+             f"{100 * power['sd']:.2f} pp ({power.get('sd_source', 'stated')}; two-sided "
+             f"alpha {power['alpha']}, power {power['power']}; normal approximation "
+             f"{power['normal']}); run: {summary['seeds']}."), ""]),
         ("Active tokens: loss tokens with A ≠ 0. Out of region: D > δ before the step. "
          "Unsafe keep: kept by the mask, out of region, and D grew after ONE optimizer step "
          "(each criterion's own step, from the same state, on the same tokens; D against the "
@@ -136,6 +175,15 @@ def markdown(setup: dict, summary: dict) -> str:
          f"vs {_pct(p['unsafe_keep_rate_predictive'])} (predictive); ~{p['disagree_per_seed']} "
          f"disagreeing tokens of ~{p['out_of_region_per_seed']:,} out-of-region tokens per seed "
          f"({p['source']}; the denominator is our reading)."),
+        "",
+        "## What the rate measures: the same tokens and masks under two control steps",
+        "",
+        *_controls_table(summary),
+        "",
+        (f"Full step: the run's optimizer (Adam with its state). Momentum only: the same "
+         f"optimizer step from the same state with every gradient zero. Own gradient: plain SGD "
+         f"(lr {setup.get('sgd_lr')}) on the criterion's masked loss alone, no optimizer state. "
+         "Pooled over seeds; the kept set is the criterion's in all three columns."),
         "",
         "## Paired comparison (unsafe-keep rate; a lower rate wins)",
         "",

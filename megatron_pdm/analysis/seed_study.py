@@ -5,6 +5,9 @@
     for each criterion c, then the unmasked reference step:
         probe.restore(snap); probe.step(c.cfg)      ONE optimizer step with c's mask
         after[c] = probe.evaluate()                 D against the stored behaviour policy
+    with controls (module counting.py), from the same snapshot each:
+        probe.step_momentum()                       zero gradient: the momentum's step alone
+        probe.step_gradient(c.cfg, lr) per c        plain SGD on c's masked loss, no state
     probe.restore(snap); probe.verify(snap)         bit-exact, or RuntimeError
     probe.evaluate() == before                      bit-exact, or RuntimeError
     counts = count_seed(criteria, before, after)
@@ -23,7 +26,7 @@ from typing import Any, Protocol
 import torch
 
 from megatron_pdm.analysis.counting import count_seed
-from megatron_pdm.analysis.criteria import KEEP_ALL, Criterion
+from megatron_pdm.analysis.criteria import KEEP_ALL, MOMENTUM_ONLY, Criterion, control_key
 from megatron_pdm.analysis.token_table import TokenTable
 from megatron_pdm.config import PolicyLossConfig
 
@@ -36,6 +39,12 @@ class Probe(Protocol):
 
     def step(self, cfg: PolicyLossConfig) -> None:
         """One optimizer step on the study tokens with the loss `cfg`."""
+
+    def step_momentum(self) -> None:
+        """The optimizer's step from the current state with every gradient zero."""
+
+    def step_gradient(self, cfg: PolicyLossConfig, lr: float) -> None:
+        """Plain SGD (params -= lr * grad, no optimizer state) on the loss `cfg`."""
 
     def snapshot(self) -> Any:
         """An exact copy of everything a step changes."""
@@ -58,7 +67,7 @@ class SeedMeasurement:
 
 
 def measure_seed(probe: Probe, criteria: list[Criterion], keep_all: PolicyLossConfig | None, *,
-                 tol: float = 0.0) -> SeedMeasurement:
+                 tol: float = 0.0, sgd_lr: float | None = None) -> SeedMeasurement:
     """Runs the protocol of the module docstring on `probe`'s current state.
 
     Args:
@@ -66,6 +75,8 @@ def measure_seed(probe: Probe, criteria: list[Criterion], keep_all: PolicyLossCo
         criteria: the compared criteria (one step each).
         keep_all: config of the unmasked reference step (None: skip it and the prediction scores).
         tol: dead zone of dD for the counts.
+        sgd_lr: with a value, the decomposition controls too (the zero-gradient step and one
+            plain-SGD step of this size per criterion); None: no controls.
 
     Raises:
         RuntimeError: when the state after the restore is not bit-exact (naming what differs),
@@ -81,6 +92,16 @@ def measure_seed(probe: Probe, criteria: list[Criterion], keep_all: PolicyLossCo
         probe.restore(snap)
         probe.step(cfg)
         after[name] = probe.evaluate()
+    if sgd_lr is not None:
+        if not sgd_lr > 0:
+            raise ValueError(f"sgd_lr={sgd_lr}: the own-gradient control needs a step size > 0")
+        probe.restore(snap)
+        probe.step_momentum()
+        after[MOMENTUM_ONLY] = probe.evaluate()
+        for c in criteria:
+            probe.restore(snap)
+            probe.step_gradient(c.cfg, sgd_lr)
+            after[control_key(c.name, "gradient")] = probe.evaluate()
     probe.restore(snap)
     bad = probe.verify(snap)
     if bad:
@@ -99,7 +120,9 @@ def token_arrays(m: SeedMeasurement, criteria: list[Criterion]) -> dict[str, tor
 
     Keys: adv, ratio, topk_kl, topk_tv, local, global_<tail>, ddot_tv, out_of_region (1.0 where
     D_K > the KL criteria's delta), delta_d_ref (D_K change after the unmasked step, NaN when it
-    was skipped), per criterion keep/<name>, away/<name>, delta_d/<name> (after its own step),
+    was skipped), delta_d_momentum (after the zero-gradient control, when run), per criterion
+    keep/<name>, away/<name>, delta_d/<name> (after its own step), delta_d_gradient/<name>
+    (after its plain-SGD control, when run),
     and per predictive criterion disagree/<name> (1.0 where its direction test differs from its
     ratio baseline's).
     """
@@ -112,10 +135,16 @@ def token_arrays(m: SeedMeasurement, criteria: list[Criterion]) -> dict[str, tor
     ref = m.after.get(KEEP_ALL)
     out["delta_d_ref"] = ((ref["topk_kl"] - b["topk_kl"])[active] if ref is not None
                           else torch.full_like(b["adv"][active], float("nan")))
+    if MOMENTUM_ONLY in m.after:
+        out["delta_d_momentum"] = (m.after[MOMENTUM_ONLY]["topk_kl"] - b["topk_kl"])[active]
     for c in criteria:
         out[f"keep/{c.name}"] = b[f"keep/{c.name}"][active]
         out[f"away/{c.name}"] = b[f"away/{c.name}"][active]
         out[f"delta_d/{c.name}"] = (m.after[c.name][c.divergence] - b[c.divergence])[active]
+        key = control_key(c.name, "gradient")
+        if key in m.after:
+            out[f"delta_d_gradient/{c.name}"] = (m.after[key][c.divergence]
+                                                 - b[c.divergence])[active]
         if c.baseline is not None:
             out[f"disagree/{c.name}"] = ((b[f"away/{c.name}"] > 0)
                                          != (b[f"away/{c.baseline}"] > 0))[active].double()

@@ -20,10 +20,16 @@ bit before each seed) and gets its own rollout batch:
 
 The batch is split into the driver's minibatches (the driver's permutation for (seed,
 iteration)); the driver's own optimizer steps with the run's loss are taken on minibatches
-0..j-1, and minibatch j (default: the last one, the most off-policy step of an iteration, as in
-training) is the study batch: `measure_seed` evaluates it, takes one step per criterion from
-that state, and counts (seed_study.py, counting.py). Outputs (rank 0): results.json,
-results.md, tokens.npz (per-token arrays of all seeds) and the PNGs of plots.py.
+0..j-1, and minibatch j is the study batch: `measure_seed` evaluates it, takes one step per
+criterion from that state (and the decomposition controls: the zero-gradient step and plain
+SGD on each criterion's masked loss, `sgd_lr`), and counts (seed_study.py, counting.py). Where
+the out-of-region tokens come from (`source`, sources.py): drift inside the iteration (default
+j: the last minibatch), the engine copy's precision (j = 0), or staleness (whole driver
+iterations between generation and study, j = 0). Outputs (rank 0): results.json, results.md,
+tokens.npz (per-token arrays of all seeds) and the PNGs of plots.py.
+
+Design "runs" (each criterion's own training run from the same start, measured at every step)
+is own_runs.py; it shares `open_study` and `write_outputs`.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from megatron_pdm.analysis import plots, report
+from megatron_pdm.analysis import plots, report, sources
 from megatron_pdm.analysis import snapshot as snap_mod
 from megatron_pdm.analysis.criteria import (
     DEFAULT_CRITERIA,
@@ -49,15 +55,10 @@ from megatron_pdm.analysis.seed_study import measure_seed, token_arrays
 from megatron_pdm.analysis.summary import summarize
 from megatron_pdm.configtree import ConfigError, apply_override, check_fields
 from megatron_pdm.mcore import checkpoint as ckpt
-from megatron_pdm.mcore import loss_adapter
 from megatron_pdm.mcore import optimizer as mopt
 from megatron_pdm.train import rollout_store
 from megatron_pdm.train import schedule as sched
-from megatron_pdm.train.model_setup import seq_multiple
 from megatron_pdm.train.config import RunConfig
-from megatron_pdm.train.schedule import optimizer_step
-from rollout_bridge.core.packing import pack_padded
-from rollout_bridge.core.types import RolloutBatch, group_advantages
 
 __all__ = ["StudyArgs", "resolve_config", "run_study"]
 
@@ -91,6 +92,21 @@ class StudyArgs:
     """"fp64" or "fp32": dtype of the statistics in the evaluations (MegatronProbe)."""
     adam_state: Literal["checkpoint", "fresh"] = "checkpoint"
     """"checkpoint" (model + optimizer state) or "fresh" (model only; see `_load`)."""
+    source: Literal["drift", "precision", "stale"] = "drift"
+    """Where the out-of-region tokens come from (sources.py): drift inside the iteration, the
+    engine copy's precision (rollout.rollout_precision), or staleness (`stale_iterations`)."""
+    stale_iterations: int = 1
+    """source "stale": whole driver iterations trained between the batch and the study."""
+    sgd_lr: float | None = 1e-4
+    """Step size of the own-gradient control (plain SGD on the masked loss); with it the
+    zero-gradient control runs too. None: no decomposition controls."""
+    design: Literal["paired", "runs"] = "paired"
+    """"paired": every criterion's one step from the same state (this module); "runs": each
+    criterion's own training run from the same start, measured at every step (own_runs.py)."""
+    run_iterations: int = 3
+    """design "runs": RL iterations of each criterion's run (x minibatches steps each)."""
+    power: dict | None = None
+    """The power analysis that chose the seeds (power.seeds_needed output), recorded in setup."""
 
     def __post_init__(self):
         check_fields(self)  # types and Literal members, converted like a parsed section
@@ -98,6 +114,12 @@ class StudyArgs:
             raise ConfigError("seeds: at least one seed")
         if self.minibatch is not None and self.minibatch < 0:
             raise ConfigError(f"minibatch={self.minibatch}: must be >= 0")
+        if self.stale_iterations < 1:
+            raise ConfigError(f"stale_iterations={self.stale_iterations}: must be >= 1")
+        if self.sgd_lr is not None and not self.sgd_lr > 0:
+            raise ConfigError(f"sgd_lr={self.sgd_lr}: must be > 0 (None: no controls)")
+        if self.run_iterations < 1:
+            raise ConfigError(f"run_iterations={self.run_iterations}: must be >= 1")
 
 
 def _rollouts_dir(a: StudyArgs) -> str | None:
@@ -156,49 +178,6 @@ def _load(path: str, trainer, adam_state: str) -> dict:
     return dist_checkpointing.load_common_state_dict(path)["train_state"]
 
 
-def _seed_engine(rollout, seed: int) -> bool:
-    """Seeds the local engine's sampling generator with `seed` (False: a server engine)."""
-    engine = getattr(rollout, "engine", None)
-    if engine is None or not hasattr(engine, "load_state_dict"):
-        return False
-    state = dict(engine.state_dict(), seed=int(seed), calls=0)
-    engine.load_state_dict(state)
-    return True
-
-
-def _fresh_batch(trainer, seed: int, iteration: int) -> RolloutBatch:
-    """The rollout of rl_iteration at `iteration` with the driver seed replaced by `seed`."""
-    r, task = trainer.cfg.rollout, trainer.task
-    _seed_engine(trainer.rollout, seed)
-    problems = task.problems(seed, iteration, r.prompts_per_iteration)
-    params = {"temperature": r.temperature, "max_new_tokens": task.max_new_tokens,
-              "stop_token_ids": [task.eos_id]}
-    batch = trainer.rollout.generate([task.prompt_ids(q) for q in problems], params,
-                                     r.group_size)
-    batch.set_rewards([task.score(problems[s.group_index], s.response_ids.tolist())
-                       for s in batch.samples])
-    return batch
-
-
-def _minibatches(trainer, batch: RolloutBatch, seed: int, iteration: int, j: int):
-    """(the driver's micro-batches of minibatches 0..j-1 for this DP rank, those of minibatch j),
-    from the driver's own minibatch plan (train/schedule.py) for (seed, iteration)."""
-    cfg = trainer.cfg
-    packed = pack_padded(batch, group_advantages(batch), pad_id=trainer.task.pad_id,
-                         pad_to_multiple_of=seq_multiple(cfg))
-    chunks = sched.minibatch_plan(seed, iteration, len(batch.samples),
-                                  cfg.train.minibatches_per_iteration)
-    if j >= len(chunks):
-        raise ConfigError(f"--minibatch {j}: the batch has only {len(chunks)} minibatches")
-
-    def mine(idx):
-        return [packed.select_rows(m) for m in sched.dp_microbatches(
-            idx, dp_size=trainer.info.dp_size, dp_rank=trainer.info.dp_rank,
-            microbatches=cfg.train.microbatches_per_minibatch)]
-
-    return [mine(c) for c in chunks[:j]], mine(chunks[j])
-
-
 def study_step_lrs(train_cfg, step0: int, j: int) -> list[float]:
     """Learning rates of the driver's steps on minibatches 0..j of an iteration that starts at RL
     optimizer step `step0`: the trainer's schedule (`train.lr` after `train.lr_warmup_steps`)."""
@@ -211,7 +190,9 @@ def _batches(a: StudyArgs, trainer, ckpt_iteration: int):
     cfg = trainer.cfg
     if a.batches == "fresh":
         for s in a.seeds:
-            batch = _fresh_batch(trainer, s, ckpt_iteration)
+            if a.source == "stale":
+                trainer.sync_weights()  # the previous seed's stale steps moved the engine
+            batch = sources.fresh_batch(trainer, s, ckpt_iteration)
             yield s, batch, ckpt_iteration, s  # the driver's plan had the run used seed s
         return
     saved = rollout_store.list_rollouts(_rollouts_dir(a) or "")
@@ -230,7 +211,13 @@ def _gather_setup(a, cfg, path, ckpt_iteration, trainer, j) -> dict:
                              f"{cfg.rollout.prompts_per_iteration} prompts x "
                              f"{cfg.rollout.group_size} samples per seed" if a.batches == "fresh"
                              else f"saved by the driver ({_rollouts_dir(a)})"),
-            "batches": a.batches, "minibatch": j, "stale_steps": j,
+            "batches": a.batches, "minibatch": j, "source": a.source,
+            "stale_iterations": a.stale_iterations if a.source == "stale" else 0,
+            "stale_steps": j + (a.stale_iterations * cfg.train.minibatches_per_iteration
+                                if a.source == "stale" else 0),
+            "rollout_precision": cfg.rollout.rollout_precision,
+            "fp8_scales": cfg.rollout.fp8_scales, "sgd_lr": a.sgd_lr, "design": a.design,
+            "power": a.power,
             "minibatches_per_iteration": cfg.train.minibatches_per_iteration,
             "criteria": list(a.criteria), "delta_kl": a.delta_kl, "delta_tv": a.delta_tv,
             "tol": a.tol, "stats_dtype": a.stats_dtype, "tp": info.tp_size, "dp": info.dp_size,
@@ -244,30 +231,42 @@ def _gather_setup(a, cfg, path, ckpt_iteration, trainer, j) -> dict:
             "run_config": cfg.to_dict()}
 
 
-def run_study(a: StudyArgs) -> dict | None:
-    """Runs the study (collective: every rank of the torchrun job calls it).
-
-    Returns:
-        The results dict on rank 0 (also written to a.out_dir), None on other ranks.
-    """
+def open_study(a: StudyArgs):
+    """(cfg, checkpoint path, trainer with the checkpoint loaded, criteria, study minibatch j,
+    t_start): the setup both designs share (collective)."""
     from megatron_pdm.train.trainer import Trainer
 
-    # a.batches, a.seeds, a.adam_state, a.stats_dtype: checked by StudyArgs.__post_init__
-    stats_dtype = {"fp64": torch.float64, "fp32": torch.float32}[a.stats_dtype]
     cfg = resolve_config(a)
     path = _checkpoint_path(a)
-    j = cfg.train.minibatches_per_iteration - 1 if a.minibatch is None else a.minibatch
-    if not 0 <= j < cfg.train.minibatches_per_iteration:
-        raise ConfigError(f"--minibatch {j} must be in [0, train.minibatches_per_iteration="
-                          f"{cfg.train.minibatches_per_iteration})")
+    m = cfg.train.minibatches_per_iteration
+    j = sources.default_minibatch(a.source, m) if a.minibatch is None else a.minibatch
+    if not 0 <= j < m:
+        raise ConfigError(f"--minibatch {j} must be in [0, train.minibatches_per_iteration={m})")
     criteria = build_criteria(a.criteria, cfg.loss, delta_kl=a.delta_kl, delta_tv=a.delta_tv)
     t_start = time.time()
     trainer = Trainer(cfg)
     trainer.load_train_state(_load(path, trainer, a.adam_state))
-    ckpt_iteration = trainer.iteration
-    step_lrs = study_step_lrs(cfg.train, trainer.step, j)  # the schedule's lr at each step
     if a.batches == "fresh":
         trainer.sync_weights()  # the engine samples from the checkpoint's weights
+    return cfg, path, trainer, criteria, j, t_start
+
+
+def run_study(a: StudyArgs) -> dict | None:
+    """Runs the study (collective: every rank of the torchrun job calls it); design "runs" is
+    own_runs.run_own_runs.
+
+    Returns:
+        The results dict on rank 0 (also written to a.out_dir), None on other ranks.
+    """
+    if a.design == "runs":
+        from megatron_pdm.analysis.own_runs import run_own_runs
+
+        return run_own_runs(a)
+    # a.batches, a.seeds, a.adam_state, a.stats_dtype: checked by StudyArgs.__post_init__
+    stats_dtype = {"fp64": torch.float64, "fp32": torch.float32}[a.stats_dtype]
+    cfg, path, trainer, criteria, j, t_start = open_study(a)
+    ckpt_iteration = trainer.iteration
+    m_per_it = cfg.train.minibatches_per_iteration
     start = snap_mod.take_snapshot(trainer.model, trainer.optimizer)
     keep_all = keep_all_config(cfg.loss)
     pp = cfg.parallel.pp
@@ -279,23 +278,25 @@ def run_study(a: StudyArgs) -> dict | None:
         if bad:
             raise RuntimeError(f"seed {label}: the checkpoint state is not restored bit-exactly "
                                f"({len(bad)} entries differ, first: {bad[:5]})")
-        earlier_mbs, study_mbs = _minibatches(trainer, batch, plan_seed, it, j)
-        applied = []
-        for k, mbs in enumerate(earlier_mbs):  # the driver's own steps before minibatch j
-            mopt.set_lr(trainer.optimizer, step_lrs[k])
-            applied.append(trainer.optimizer.param_groups[0]["lr"])
-            optimizer_step(trainer.model, trainer.optimizer, mbs,
-                           lambda mb: loss_adapter.make_loss_func(mb, cfg.loss,
-                                                                  head=trainer.head), pp=pp)
-        mopt.set_lr(trainer.optimizer, step_lrs[j])  # the study's step: the run's lr there
+        step0, applied = trainer.step, []
+        if a.source == "stale":  # whole iterations between the batch and the study
+            applied += sources.advance_iterations(trainer, plan_seed, it, a.stale_iterations,
+                                                  step0)
+            step0 += a.stale_iterations * m_per_it
+        mbs = sources.minibatches(trainer, batch, plan_seed, it)
+        applied += sources.driver_steps(trainer, mbs[:j], step0)  # the driver's steps before j
+        mopt.set_lr(trainer.optimizer, study_step_lrs(cfg.train, step0, j)[j])  # the run's lr
         applied.append(trainer.optimizer.param_groups[0]["lr"])
-        probe = MegatronProbe(trainer.model, trainer.optimizer, study_mbs, criteria, pp=pp,
+        probe = MegatronProbe(trainer.model, trainer.optimizer, mbs[j], criteria, pp=pp,
                               stats_dtype=stats_dtype)
-        m = measure_seed(probe, criteria, keep_all, tol=a.tol)
+        m = measure_seed(probe, criteria, keep_all, tol=a.tol, sgd_lr=a.sgd_lr)
         # staleness: checkpoint weights minus the weights that generated the batch (its
-        # weight_version when numeric, else the iteration that trained on it)
+        # weight_version when numeric, else the iteration that trained on it), plus the stale
+        # source's iterations
         version = str(batch.weight_version)
         stale = ckpt_iteration - (int(version) if version.isdigit() else it)
+        if a.source == "stale":
+            stale += a.stale_iterations
         m.counts.update(seed=label, batch_iteration=it, batch_weight_version=batch.weight_version,
                         staleness=stale)
         per_seed.append(m.counts)

@@ -8,6 +8,10 @@ Input: the list of per-seed `count_seed` dicts. For every criterion:
                       denominator is 0 are left out), with a percentile bootstrap interval
     per-seed means    of the out-of-region, kept out-of-region, disagreement counts
 
+With the decomposition controls (counting.py), the same rates under the zero-gradient step
+("<rate>@momentum") and the plain-SGD own-gradient step ("<rate>@gradient"), and the pooled mean
+realised dD of kept out-of-region tokens under each ("mean_delta_d_kept_out_of_region[@...]").
+
 For every predictive criterion against its ratio baseline (the paired comparison):
 
     per-seed difference d_s = rate(criterion) - rate(baseline), on seeds where both are defined
@@ -32,6 +36,10 @@ _RATES = {  # rate name -> (numerator key, denominator key) in count_seed's crit
     "shrink_share": ("n_shrink_kept", "n_kept_out_of_region"),
     "own_sign_accuracy": ("own_sign_correct", "own_sign_decided"),
 }
+_CONTROL_RATES = {  # the same rates under the decomposition controls (counting.py)
+    f"{name}@{control}": (f"{num}@{control}", den if den == "n_kept_out_of_region"
+                          else f"{den}@{control}")
+    for control in ("momentum", "gradient") for name, (num, den) in _RATES.items()}
 _PRED = {  # prediction score name -> (numerator, denominator) in count_seed's prediction entries
     "accuracy": ("correct", "decided"),
     "accuracy_out_of_region": ("correct_out_of_region", "decided_out_of_region"),
@@ -79,7 +87,8 @@ def _pooled(entries: list[dict], num: str, den: str) -> float | None:
 
 
 def _per_seed(entries: list[dict], num: str, den: str) -> list[float | None]:
-    return [e[num] / e[den] if e.get(den) else None for e in entries]
+    return [e[num] / e[den] if e.get(den) and e.get(num) is not None else None
+            for e in entries]
 
 
 def _rate_summary(per_seed: list[float | None], pooled: float | None, seed: int) -> dict:
@@ -91,9 +100,16 @@ def _rate_summary(per_seed: list[float | None], pooled: float | None, seed: int)
 def _criterion_summary(name: str, seeds: list[dict], seed: int) -> dict:
     entries = [s["criteria"][name] for s in seeds]
     out = {"divergence": entries[0]["divergence"], "delta": entries[0]["delta"]}
-    for rate_name, (num, den) in _RATES.items():
+    controls = {k: v for k, v in _CONTROL_RATES.items() if v[0] in entries[0]}
+    for rate_name, (num, den) in {**_RATES, **controls}.items():
         out[rate_name] = _rate_summary(_per_seed(entries, num, den),
                                        _pooled(entries, num, den), seed)
+    for suffix in ("", "@momentum", "@gradient"):  # mean realised dD of kept out-of-region
+        key = f"sum_delta_d_kept_out_of_region{suffix}"
+        if key in entries[0]:
+            kept = sum(e["n_kept_out_of_region"] for e in entries)
+            out[f"mean_delta_d_kept_out_of_region{suffix}"] = (
+                sum(e[key] for e in entries) / kept if kept else None)
     for key in _COUNTS:
         values = [e[key] for e in entries if e.get(key) is not None]
         out[f"mean_{key}"] = _mean(values)

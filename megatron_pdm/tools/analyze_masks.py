@@ -43,7 +43,7 @@ def parse_args(argv=None):
     p.add_argument("--rollouts", help="dir of saved batches (default: <run-dir>/rollouts)")
     seeds = p.add_mutually_exclusive_group()
     seeds.add_argument("--seeds", type=int, nargs="+", help="fresh-batch seeds")
-    seeds.add_argument("--num-seeds", type=int, default=20, help="seeds 1..N (default 20)")
+    seeds.add_argument("--num-seeds", type=int, default=None, help="seeds 1..N (default 20)")
     p.add_argument("--criteria", nargs="+", default=list(DEFAULT_CRITERIA),
                    choices=list(CRITERIA), help="direction criteria to compare")
     p.add_argument("--delta-kl", type=float, default=0.15, help="δ of the Top-K KL criteria")
@@ -60,6 +60,35 @@ def parse_args(argv=None):
                    help="checkpoint: the run's optimizer state (Adam moments); fresh: model "
                         "only, Adam starts empty (a layout whose optimizer state the checkpoint "
                         "cannot reshard to, or an ablation without the run's momentum)")
+    p.add_argument("--source", choices=("drift", "precision", "stale"), default="drift",
+                   help="where out-of-region tokens come from: drift inside the iteration "
+                        "(study minibatch: the last), the engine copy's precision (minibatch 0; "
+                        "pick it with --rollout-precision), or staleness (minibatch 0 of a batch "
+                        "--stale-iterations driver iterations old)")
+    p.add_argument("--rollout-precision", choices=("fp32", "bf16", "fp8"),
+                   help="the engine copy's precision (= --set rollout.rollout_precision=...)")
+    p.add_argument("--stale-iterations", type=int, default=1,
+                   help="--source stale: driver iterations between generation and study")
+    p.add_argument("--sgd-lr", type=float, default=1e-4,
+                   help="step size of the own-gradient control (plain SGD on each criterion's "
+                        "masked loss); the zero-gradient (momentum-only) control runs with it")
+    p.add_argument("--no-controls", action="store_true",
+                   help="skip the decomposition controls (needed at DP > 1 with the "
+                        "DistributedOptimizer)")
+    p.add_argument("--design", choices=("paired", "runs"), default="paired",
+                   help="paired: one step per criterion from the same state; runs: each "
+                        "criterion's own training run from the same start, measured at every "
+                        "step (--run-iterations)")
+    p.add_argument("--run-iterations", type=int, default=3,
+                   help="--design runs: RL iterations per criterion's run")
+    p.add_argument("--power-effect", type=float, default=None, metavar="DIFF",
+                   help="power analysis: the paired difference to detect (e.g. -0.027 for "
+                        "-2.7 pp); with --power-sd or --pilot, the seeds are 1..n it gives "
+                        "(unless --seeds / --num-seeds are given: then it is printed only)")
+    p.add_argument("--power-sd", type=float, default=None,
+                   help="power analysis: per-seed SD of the paired differences")
+    p.add_argument("--pilot", default=None,
+                   help="power analysis: a pilot study's results.json (its per-seed SD)")
     p.add_argument("--bootstrap-seed", type=int, default=0)
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--out-dir", required=True)
@@ -73,14 +102,30 @@ def main(argv=None) -> int:
     from megatron_pdm.train.logging_utils import setup_logging
 
     setup_logging()
-    seeds = args.seeds if args.seeds else list(range(1, args.num_seeds + 1))
+    power = _power(args)
+    if args.seeds:
+        seeds = args.seeds
+    elif args.num_seeds is not None or power is None:
+        seeds = list(range(1, (args.num_seeds or 20) + 1))
+    else:
+        seeds = list(range(1, power["t_test"] + 1))
+    if power is not None:
+        print(f"power analysis: {power['t_test']} seeds (normal approximation "
+              f"{power['normal']}) for a paired difference of {power['effect']:+g} at SD "
+              f"{power['sd']:g} ({power['sd_source']}), alpha {power['alpha']}, power "
+              f"{power['power']}; running {len(seeds)}", flush=True)
+    if args.rollout_precision:
+        args.overrides.append(f"rollout.rollout_precision={args.rollout_precision}")
     study = StudyArgs(out_dir=args.out_dir, config=args.config, overrides=args.overrides,
                       run_dir=args.run_dir, checkpoint=args.checkpoint, batches=args.batches,
                       rollouts=args.rollouts, seeds=seeds, criteria=args.criteria,
                       delta_kl=args.delta_kl, delta_tv=args.delta_tv, minibatch=args.minibatch,
                       tol=args.tol, bootstrap_seed=args.bootstrap_seed,
                       plots=not args.no_plots, stats_dtype=args.stats_dtype,
-                      adam_state=args.adam_state)
+                      adam_state=args.adam_state, source=args.source,
+                      stale_iterations=args.stale_iterations,
+                      sgd_lr=None if args.no_controls else args.sgd_lr, design=args.design,
+                      run_iterations=args.run_iterations, power=power)
     try:
         result = run_study(study)
         if result is not None:
@@ -88,6 +133,26 @@ def main(argv=None) -> int:
     finally:
         destroy_parallel()
     return 0
+
+
+def _power(args) -> dict | None:
+    """The power analysis of --power-effect with --power-sd or --pilot (None without it)."""
+    from megatron_pdm.analysis.power import pilot_sd, seeds_needed
+    from megatron_pdm.configtree import ConfigError
+
+    if args.power_effect is None:
+        if args.power_sd is not None or args.pilot:
+            raise ConfigError("--power-sd / --pilot need --power-effect (the difference to "
+                              "detect)")
+        return None
+    if (args.power_sd is None) == (not args.pilot):
+        raise ConfigError("--power-effect needs exactly one of --power-sd and --pilot")
+    if args.pilot:
+        sd, n = pilot_sd(args.pilot)
+        source = f"measured on the pilot {args.pilot}, {n} seeds"
+    else:
+        sd, source = args.power_sd, "stated"
+    return dict(seeds_needed(args.power_effect, sd), sd_source=source)
 
 
 def cli() -> int:

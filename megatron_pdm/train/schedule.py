@@ -36,6 +36,19 @@ def optimizer_step(model, optimizer, microbatches: list[MicroBatch],
         (the schedule's forward data store: one metrics dict per micro-batch on the last stage,
         the global gradient norm before clipping, nan if the optimizer did not report one).
     """
+    store = forward_backward(model, optimizer, microbatches, loss_func_of, pp=pp)
+    _, grad_norm, _ = optimizer.step()
+    return store, float(grad_norm) if grad_norm is not None else float("nan")
+
+
+def forward_backward(model, optimizer, microbatches: list[MicroBatch],
+                     loss_func_of: Callable[[Any], Callable], *, pp: int) -> list[dict]:
+    """zero grads -> megatron forward_backward (gradients in the DDP buffers' `main_grad`,
+    finalised by the model config's `finalize_model_grads_func`), no optimizer step.
+
+    Returns:
+        the schedule's forward data store (one metrics dict per micro-batch, last stage).
+    """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     def forward_step(data_iterator, model):
@@ -56,8 +69,7 @@ def optimizer_step(model, optimizer, microbatches: list[MicroBatch],
         forward_step_func=forward_step, data_iterator=iter(microbatches), model=[model],
         num_microbatches=len(microbatches), seq_length=s, micro_batch_size=b,
         forward_only=False)
-    _, grad_norm, _ = optimizer.step()
-    return store, float(grad_norm) if grad_norm is not None else float("nan")
+    return store
 
 
 def minibatch_plan(seed: int, iteration: int, num_samples: int,

@@ -44,13 +44,18 @@ def make_tokens(n: int, v: int, k_top: int, *, seed: int, noise: float) -> dict:
 
 
 class FreeLogitProbe:
-    """Probe of `seed_study.measure_seed` with the logits themselves as the parameters."""
+    """Probe of `seed_study.measure_seed` with the logits themselves as the parameters.
 
-    def __init__(self, tokens: dict, criteria: list, *, lr: float):
+    adam=None: plain SGD (no state); adam=(beta1, beta2, eps): torch Adam, whose moments
+    `prime` builds with a few steps (the decomposition test's momentum)."""
+
+    def __init__(self, tokens: dict, criteria: list, *, lr: float,
+                 adam: tuple[float, float, float] | None = None):
         self.t = tokens
         self.criteria = criteria
         self.z = torch.nn.Parameter(tokens["z"].clone())
-        self.opt = torch.optim.SGD([self.z], lr=lr)
+        self.opt = (torch.optim.SGD([self.z], lr=lr) if adam is None else
+                    torch.optim.Adam([self.z], lr=lr, betas=adam[:2], eps=adam[2]))
 
     def _stats(self, logits):
         t = self.t
@@ -70,12 +75,47 @@ class FreeLogitProbe:
         out.loss_sum.backward()  # the SUM: each token's step is eta * coeff * (e_k - pi)
         self.opt.step()
 
+    def prime(self, cfg, steps: int) -> None:
+        """`steps` optimizer steps with the loss `cfg`, then the logits are put back to the
+        tokens' z: the optimizer keeps the moments of those steps (a state with momentum)."""
+        for _ in range(steps):
+            self.step(cfg)
+        with torch.no_grad():
+            self.z.copy_(self.t["z"])
+
+    def step_momentum(self) -> None:
+        self.opt.zero_grad()
+        self.z.grad = torch.zeros_like(self.z)
+        self.opt.step()
+
+    def step_gradient(self, cfg, lr: float) -> None:
+        self.z.grad = None
+        out = pdm.policy_loss(self._stats(self.z), self.t["adv"], self.t["behavior_logprob"],
+                              self.t["loss_mask"], cfg)
+        out.loss_sum.backward()
+        with torch.no_grad():
+            self.z.add_(self.z.grad, alpha=-lr)
+
     def snapshot(self):
-        return self.z.detach().clone()
+        state = {k: (v.clone() if torch.is_tensor(v) else v)
+                 for k, v in self.opt.state.get(self.z, {}).items()}
+        return self.z.detach().clone(), state
 
     def restore(self, snap) -> None:
+        z, state = snap
         with torch.no_grad():
-            self.z.copy_(snap)
+            self.z.copy_(z)
+        self.opt.state[self.z] = {k: (v.clone() if torch.is_tensor(v) else v)
+                                  for k, v in state.items()}
 
     def verify(self, snap) -> list[str]:
-        return [] if torch.equal(self.z.detach(), snap) else ["z"]
+        z, state = snap
+        live = self.opt.state.get(self.z, {})
+        bad = [] if torch.equal(self.z.detach(), z) else ["z"]
+        def same(a, b):
+            if torch.is_tensor(a) and torch.is_tensor(b):
+                return torch.equal(a, b)
+            return not torch.is_tensor(a) and not torch.is_tensor(b) and a == b
+
+        return bad + [k for k in set(state) | set(live)
+                      if k not in live or k not in state or not same(live[k], state[k])]

@@ -18,6 +18,11 @@ from megatron_pdm.configtree import ConfigError, from_mapping
     ({"minibatch": -1}, "minibatch=-1"),
     ({"delta_kl": "wide"}, "delta_kl='wide'"),
     ({"plots": "yes"}, "plots='yes'"),
+    ({"source": "engine"}, "source='engine'"),
+    ({"stale_iterations": 0}, "stale_iterations=0"),
+    ({"sgd_lr": 0.0}, "sgd_lr=0.0"),
+    ({"design": "both"}, "design='both'"),
+    ({"run_iterations": 0}, "run_iterations=0"),
 ])
 def test_bad_value_names_its_key(kw, key):
     with pytest.raises(ConfigError) as err:

@@ -30,3 +30,10 @@ def test_study_lrs_follow_the_warmup_schedule():
     assert lrs == [rl_lr(cfg.train, s) for s in (2, 3, 4, 5)]
     assert lrs == [1e-3 * k / 10 for k in (3, 4, 5, 6)] and lrs[-1] < cfg.train.lr
     assert study_step_lrs(cfg.train, 50, 1) == [1e-3, 1e-3]
+
+
+def test_each_source_has_its_study_minibatch():
+    from megatron_pdm.analysis.sources import SOURCES, default_minibatch
+
+    assert {s: default_minibatch(s, 4) for s in SOURCES} == {"drift": 3, "precision": 0,
+                                                             "stale": 0}
