@@ -117,10 +117,12 @@ class MemoryEstimate:
     optimizer: int
     activations: int
     logits: int
+    attention_scores: int = 0  # the local spec's s x s attention scores (0 for fused attention)
 
     @property
     def total(self) -> int:
-        return self.weights + self.grads + self.optimizer + self.activations + self.logits
+        return (self.weights + self.grads + self.optimizer + self.activations + self.logits
+                + self.attention_scores)
 
 
 def param_counts(arch, layout: Layout) -> tuple[int, int]:
@@ -150,6 +152,7 @@ def estimate_memory(
     recompute: str = "none",
     grads_fp32: bool = True,
     num_microbatches: int | None = None,
+    attention: str = "fused",
 ) -> MemoryEstimate:
     """Per-GPU memory of training `arch` at `layout` (bytes), most loaded pipeline stage.
 
@@ -169,6 +172,12 @@ def estimate_memory(
       activations; `"selective"` drops the attention-core term (4 nh D -> 2 nh D);
       1F1B keeps min(PP, num_microbatches) micro-batches in flight on the first stage;
     - logits: fp32 [T, V_pad/TP] plus one saved fp32 buffer of the same size (loss backward);
+    - attention scores, `attention="local"` only (the local layer spec's DotProductAttention;
+      TE's fused/flash attention, `"fused"`, keeps no s x s tensor): per layer the [b, nh/TP, s,
+      s] scores of 16-bit activations are kept as the fp32 softmax output (its backward) and the
+      16-bit probabilities (the second bmm's), 6 B per element, in every layer and micro-batch in
+      flight (one layer under recompute); plus 6 B per element transient in the layer being
+      computed (the 16-bit scores and their fp32 copy during the softmax);
     - not included: CUDA context, NCCL and dispatcher buffers, allocator fragmentation (budget
       several GiB on top).
     """
@@ -211,7 +220,14 @@ def estimate_memory(
         stage = layers * per_layer
     activations = stage * in_flight
     logits = 2 * tokens * (layout.padded_vocab_size // layout.tp) * 4
-    return MemoryEstimate(dense, expert, weights, grads, optimizer, activations, logits)
+    if attention not in ("fused", "local"):
+        raise ValueError(f"attention must be fused|local, got {attention!r}")
+    scores = 0
+    if attention == "local":
+        elems = micro_batch_size * (nh // layout.tp) * seq_length ** 2  # [b, nh/TP, s, s]
+        kept = layers * in_flight if recompute == "none" else 1
+        scores = 6 * elems * kept + 6 * elems
+    return MemoryEstimate(dense, expert, weights, grads, optimizer, activations, logits, scores)
 
 
 def format_report(
@@ -236,6 +252,8 @@ def format_report(
         f"  optimizer    {gib(estimate.optimizer)}",
         f"  activations  {gib(estimate.activations)}",
         f"  logits       {gib(estimate.logits)}",
+        *([f"  attn scores  {gib(estimate.attention_scores)}  (local spec: s x s per head)"]
+          if estimate.attention_scores else []),
         f"  total        {gib(estimate.total)}  (+ CUDA context, NCCL buffers, fragmentation)",
     ]
     if gpu_memory_gib is not None:
