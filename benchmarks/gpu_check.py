@@ -239,6 +239,7 @@ def part_optimizer_step(sz: dict) -> dict:
     from megatron_pdm.arch import Qwen3MoeArch
     from megatron_pdm.config import PolicyLossConfig
     from megatron_pdm.mcore import optimizer as mopt
+    from megatron_pdm.mcore.device import place
     from megatron_pdm.mcore.loss_adapter import make_loss_func
     from megatron_pdm.mcore.model import build_model, transformer_config
     from megatron_pdm.mcore.parallel import init_parallel
@@ -252,7 +253,7 @@ def part_optimizer_step(sz: dict) -> dict:
     dtype = dict(params_dtype=torch.float32) if smoke else dict(params_dtype=torch.bfloat16,
                                                                 bf16=True)
     config = transformer_config(arch, calculate_per_token_loss=True, **dtype)
-    model = build_model(arch, config)
+    model = place(build_model(arch, config))  # as the trainer places it
     ddp = mopt.wrap_ddp(model, config, use_distributed_optimizer=True)
     from megatron.core.distributed import finalize_model_grads
 
