@@ -25,6 +25,8 @@ Tagging rules (the CUDA semantics, emulated):
   A tag keeps its storage alive until no tensor uses it (then both go), so freed memory that
   torch, numpy or gloo hands to a new allocation never carries an old tag.
 Allowed cross-device ops (as on CUDA): copy_, _to_copy, indexing with host indices, set_.
+The backward pass runs under the same rules (torch pops a function mode while its handler runs,
+so `backward`/`grad` are re-run with the mode pushed again).
 
 Usage (in a spawned worker, after `apply_cpu_shim()`):
     with DeviceTrace() as trace: ...run the driver...
@@ -177,6 +179,9 @@ class DeviceTrace:
         return False
 
 
+_BACKWARD = {torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad}
+
+
 class _FunctionMode(TorchFunctionMode):
     """Python-level torch calls: device arguments, transfers, host factories, .numpy()."""
 
@@ -184,9 +189,30 @@ class _FunctionMode(TorchFunctionMode):
         super().__init__()
         self.trace = trace
 
+    def _backward(self, func, args, kwargs):
+        """torch runs a handler with its mode popped, but the backward pass needs the mode
+        (megatron's autograd functions allocate with device=current_device() there): run
+        torch.autograd's own body with the mode pushed again and its torch-function hop off."""
+        import torch.autograd as autograd
+
+        if func is torch.Tensor.backward:
+            names = ("gradient", "retain_graph", "create_graph", "inputs")
+            kw = dict(zip(names, args[1:]), **kwargs)
+            kw["grad_tensors"] = kw.pop("gradient", None)
+            func, args, kwargs = autograd.backward, args[:1], kw
+        hop = autograd.has_torch_function
+        autograd.has_torch_function = lambda *a: False
+        try:
+            with self:
+                return func(*args, **kwargs)
+        finally:
+            autograd.has_torch_function = hop
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         trace = self.trace
+        if func in _BACKWARD:
+            return self._backward(func, args, kwargs)
         target = None  # DEVICE / HOST for a placement, None otherwise
         same_as = False  # device=t.device: "wherever t is", unknown here
         if kwargs.get("device") is not None:

@@ -3,7 +3,8 @@
 `tests/_device_trace.py` makes `torch.cuda.current_device()` a device other than the host memory
 (tags by storage, CPU numerics) and records every op a GPU would refuse: a device tensor meeting
 a host one, a host tensor in a collective over an NCCL group, `.numpy()` of a device tensor.
-Under it the driver's own code runs, in one gloo process, with the tiny CPU config:
+Under it the driver's own code runs, in one gloo process (two for TP=2 with sequence
+parallelism), with the tiny CPU config:
 `Trainer(cfg)` (model, engine copy, DDP, megatron optimizer), one supervised warm-up step, the
 weight sync, one RL iteration (rollout through the engine copy, rewards, packing, the loss with
 the behaviour log-probs, optimizer step, sync), the live HF export, the study's probe
@@ -32,11 +33,12 @@ from tests._dist import run_gloo
 TINY = str(pathlib.Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu" / "config.yaml")
 
 
-def _cfg(out: str, distributed_optimizer: bool):
+def _cfg(out: str, distributed_optimizer: bool, tp: int = 1):
     from megatron_pdm.train.config import RunConfig
 
     return RunConfig.load(TINY, [
-        "parallel.tp=1", f"parallel.use_distributed_optimizer={str(distributed_optimizer).lower()}",
+        f"parallel.tp={tp}",
+        f"parallel.use_distributed_optimizer={str(distributed_optimizer).lower()}",
         "rollout.prompts_per_iteration=2", "rollout.group_size=2",
         "train.minibatches_per_iteration=1", "train.eval_prompts=2", "train.iterations=3",
         "warmup.steps=1", "warmup.batch_size=2", "warmup.stop_at_accuracy=null",
@@ -90,7 +92,7 @@ def _study_probe(tr):
     assert not probe.verify(snap)
 
 
-def _worker(rank, world, out, gpu_init, distributed_optimizer):
+def _worker(rank, world, out, gpu_init, distributed_optimizer, tp):
     from megatron_pdm.convert.live import gather_hf_state_dict
     from megatron_pdm.mcore import device as dev
     from megatron_pdm.mcore.cpu_shim import apply_cpu_shim
@@ -104,7 +106,7 @@ def _worker(rank, world, out, gpu_init, distributed_optimizer):
     if gpu_init:  # what transformer_config chooses on a GPU
         kwargs = ms.megatron_kwargs
         ms.megatron_kwargs = lambda cfg: dict(kwargs(cfg), use_cpu_initialization=False)
-    cfg = _cfg(out, distributed_optimizer)
+    cfg = _cfg(out, distributed_optimizer, tp)
     with DeviceTrace() as trace:
         tr = trainer_mod.Trainer(cfg)
         writer = MetricsWriter(out, resume_step=None, tensorboard=False, wandb=None)
@@ -147,10 +149,11 @@ def _unplaced_worker(rank, world, out):
 
 @pytest.mark.megatron
 @pytest.mark.slow
-@pytest.mark.parametrize("gpu_init,distributed_optimizer", [(True, True), (False, False)],
-                         ids=["gpu-init-distopt", "cpu-init-adam"])
-def test_rl_iteration_stays_on_the_device(tmp_path, gpu_init, distributed_optimizer):
-    run_gloo(_worker, 1, str(tmp_path / "run"), gpu_init, distributed_optimizer)
+@pytest.mark.parametrize("gpu_init,distributed_optimizer,tp", [
+    (True, True, 1), (False, False, 1), (True, True, 2)],
+    ids=["gpu-init-distopt", "cpu-init-adam", "tp2-sequence-parallel"])
+def test_rl_iteration_stays_on_the_device(tmp_path, gpu_init, distributed_optimizer, tp):
+    run_gloo(_worker, tp, str(tmp_path / "run"), gpu_init, distributed_optimizer, tp)
 
 
 @pytest.mark.megatron
