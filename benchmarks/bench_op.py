@@ -6,6 +6,9 @@ What is compared, on the same [N, V_local] logits shard of one TP rank, in one p
               path (fp32: works in the logits' storage like CE; bf16 ignores the flag)
   op          token_stats with the logits kept intact (default; softmax recomputed in backward)
   gather      "all-gather then log_softmax": full [N, V] logits, fp32 log_softmax, fwd + bwd
+  ce_fp32     Megatron's default loss path on 16-bit logits: CE of `logits.float()`
+  op_fp32     16-bit logits cast to fp32 (what an fp32 LM-head output costs) then op_inplace;
+              with --dtype bf16, op / op_inplace are the op's own bf16 path (no copy)
 
 Inputs (benchmarks/bench_inputs.py): `realistic` = what RL feeds the op (support = top-K of a
 behaviour distribution near the policy, sampled tokens drawn from the policy, behaviour
@@ -70,7 +73,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_inputs import describe, make_inputs
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-VARIANTS = ("ce", "op_inplace", "op", "gather")
+VARIANTS = ("ce", "op_inplace", "op", "gather", "ce_fp32", "op_fp32")
 
 
 def _setup_megatron_ce():
@@ -91,12 +94,22 @@ def _step_fn(variant: str, inp: dict):
     import megatron_pdm as pdm
 
     sampled, ids, lp, valid = inp["sampled"], inp["ids"], inp["logprobs"], inp["valid"]
-    if variant == "ce":
+    if variant in ("ce", "ce_fp32"):
         ce = _setup_megatron_ce()
+        cast = variant == "ce_fp32"
 
         def step(x):
-            loss = ce(x, sampled).sum()
+            loss = ce(x.float() if cast else x, sampled).sum()
             return torch.autograd.grad(loss, x)[0]
+
+        return step
+    if variant == "op_fp32":
+        vocab = inp["shard"].shape[1]
+
+        def step(x):
+            stats = pdm.token_stats(x.float(), sampled, ids, lp, valid, vocab_size=vocab,
+                                    validate=False, inplace=True, tp_group=None)
+            return torch.autograd.grad(stats.logprob.sum(), x)[0]
 
         return step
     if variant in ("op", "op_inplace"):

@@ -14,7 +14,9 @@ rewritten after every part. Parts:
    as for a validated batch) forward+backward under `torch.cuda.set_sync_debug_mode("error")`.
 3. op_vs_ce: `token_stats`+`policy_loss` forward+backward vs megatron's
    `vocab_parallel_cross_entropy` (validation off): median time and peak memory, N in
-   {8192, 32768}, V in {151936, 37984 (a TP4 shard)}, bf16 and fp32, the ratio in the same run.
+   {8192, 32768}, V in {151936, 37984 (a TP4 shard)}, bf16 and fp32, the ratio in the same run;
+   for bf16 logits also the op on their fp32 copy (in place, as an fp32 LM-head output would
+   feed it): the measurement behind the logits-dtype rule (docs/op.md).
 4. optimizer_step: one bf16 optimizer step of a 2-layer full-width Qwen3-30B-A3B slice through the
    driver's own functions (mcore.parallel.init_parallel, mcore.model, mcore.optimizer,
    train.schedule.optimizer_step with mcore.loss_adapter.make_loss_func).
@@ -80,12 +82,12 @@ def synthetic_rollout(logits_nv, top_k: int, vocab_size: int, seed: int = 0) -> 
                 loss_mask=torch.ones(n, dtype=torch.bool, device=dev))
 
 
-def _pdm(logits_nv, b: dict, vocab: int, *, validate: bool):
+def _pdm(logits_nv, b: dict, vocab: int, *, validate: bool, inplace: bool = False):
     import megatron_pdm as pdm
 
     stats = pdm.token_stats(logits_nv, b["sampled_ids"], b["support_ids"], b["support_logprobs"],
                             b["support_valid"], tp_group=None, vocab_size=vocab,
-                            validate=validate)
+                            validate=validate, inplace=inplace)
     out = pdm.policy_loss(stats, b["advantages"], b["behavior_logprob"], b["loss_mask"],
                           pdm.PolicyLossConfig.preset("pdm-agg"))
     return stats, out
@@ -209,12 +211,24 @@ def part_op_vs_ce(sz: dict) -> dict:
                     vocab_parallel_cross_entropy(x[:, None], batch["sampled_ids"][:, None]
                                                  ).sum().backward()
 
+                def run_pdm_fp32():  # bf16 logits cast to fp32 (an fp32 LM-head output)
+                    x = logits.detach().requires_grad_(True)
+                    _, out = _pdm(x.float(), batch, vocab, validate=False, inplace=True)
+                    out[0].backward()
+
                 pdm_ms, pdm_gib = _median_ms_and_peak(run_pdm, sz["iters"], cuda)
                 ce_ms, ce_gib = _median_ms_and_peak(run_ce, sz["iters"], cuda)
-                rows.append({"tokens": tokens, "vocab": vocab, "dtype": name,
-                             "pdm_ms": pdm_ms, "ce_ms": ce_ms, "ratio_time": pdm_ms / ce_ms,
-                             "pdm_peak_gib": pdm_gib, "ce_peak_gib": ce_gib,
-                             "ratio_memory": (pdm_gib / ce_gib) if cuda and ce_gib else None})
+                row = {"tokens": tokens, "vocab": vocab, "dtype": name,
+                       "pdm_ms": pdm_ms, "ce_ms": ce_ms, "ratio_time": pdm_ms / ce_ms,
+                       "pdm_peak_gib": pdm_gib, "ce_peak_gib": ce_gib,
+                       "ratio_memory": (pdm_gib / ce_gib) if cuda and ce_gib else None}
+                if dtype is torch.bfloat16:  # the logits-dtype decision (docs/op.md)
+                    cast_ms, cast_gib = _median_ms_and_peak(run_pdm_fp32, sz["iters"], cuda)
+                    row.update(pdm_fp32_cast_ms=cast_ms, pdm_fp32_cast_peak_gib=cast_gib,
+                               ratio_time_cast_vs_bf16=cast_ms / pdm_ms,
+                               ratio_memory_cast_vs_bf16=(cast_gib / pdm_gib)
+                               if cuda and pdm_gib else None)
+                rows.append(row)
                 del logits, batch
     return {"rows": rows, "iters": sz["iters"], "validate": False}
 
@@ -225,6 +239,7 @@ def part_optimizer_step(sz: dict) -> dict:
     from megatron_pdm.arch import Qwen3MoeArch
     from megatron_pdm.config import PolicyLossConfig
     from megatron_pdm.mcore import optimizer as mopt
+    from megatron_pdm.mcore.device import place
     from megatron_pdm.mcore.loss_adapter import make_loss_func
     from megatron_pdm.mcore.model import build_model, transformer_config
     from megatron_pdm.mcore.parallel import init_parallel
@@ -238,7 +253,7 @@ def part_optimizer_step(sz: dict) -> dict:
     dtype = dict(params_dtype=torch.float32) if smoke else dict(params_dtype=torch.bfloat16,
                                                                 bf16=True)
     config = transformer_config(arch, calculate_per_token_loss=True, **dtype)
-    model = build_model(arch, config)
+    model = place(build_model(arch, config))  # as the trainer places it
     ddp = mopt.wrap_ddp(model, config, use_distributed_optimizer=True)
     from megatron.core.distributed import finalize_model_grads
 

@@ -117,10 +117,12 @@ class MemoryEstimate:
     optimizer: int
     activations: int
     logits: int
+    attention_scores: int = 0  # the local spec's s x s attention scores (0 for fused attention)
 
     @property
     def total(self) -> int:
-        return self.weights + self.grads + self.optimizer + self.activations + self.logits
+        return (self.weights + self.grads + self.optimizer + self.activations + self.logits
+                + self.attention_scores)
 
 
 def param_counts(arch, layout: Layout) -> tuple[int, int]:
@@ -151,6 +153,7 @@ def estimate_memory(
     grads_fp32: bool = True,
     num_microbatches: int | None = None,
     fused_head_chunk: tuple[int, int] | None = None,
+    attention: str = "fused",
 ) -> MemoryEstimate:
     """Per-GPU memory of training `arch` at `layout` (bytes), most loaded pipeline stage.
 
@@ -172,6 +175,12 @@ def estimate_memory(
     - logits: fp32 [T, V_pad/TP] plus one saved fp32 buffer of the same size (loss backward);
       with the fused LM head (`fused_head_chunk` = (token_chunk, vocab_chunk), train.fused_head)
       one fp32 logits chunk [min(T, R), min(V_pad/TP, C)] and its gradient instead;
+    - attention scores, `attention="local"` only (the local layer spec's DotProductAttention;
+      TE's fused/flash attention, `"fused"`, keeps no s x s tensor): per layer the [b, nh/TP, s,
+      s] scores of 16-bit activations are kept as the fp32 softmax output (its backward) and the
+      16-bit probabilities (the second bmm's), 6 B per element, in every layer and micro-batch in
+      flight (one layer under recompute); plus 6 B per element transient in the layer being
+      computed (the 16-bit scores and their fp32 copy during the softmax);
     - not included: CUDA context, NCCL and dispatcher buffers, allocator fragmentation (budget
       several GiB on top).
     """
@@ -219,7 +228,14 @@ def estimate_memory(
     else:
         rows, cols = fused_head_chunk
         logits = 2 * min(tokens, rows) * min(v_local, cols) * 4
-    return MemoryEstimate(dense, expert, weights, grads, optimizer, activations, logits)
+    if attention not in ("fused", "local"):
+        raise ValueError(f"attention must be fused|local, got {attention!r}")
+    scores = 0
+    if attention == "local":
+        elems = micro_batch_size * (nh // layout.tp) * seq_length ** 2  # [b, nh/TP, s, s]
+        kept = layers * in_flight if recompute == "none" else 1
+        scores = 6 * elems * kept + 6 * elems
+    return MemoryEstimate(dense, expert, weights, grads, optimizer, activations, logits, scores)
 
 
 def format_report(
@@ -244,6 +260,8 @@ def format_report(
         f"  optimizer    {gib(estimate.optimizer)}",
         f"  activations  {gib(estimate.activations)}",
         f"  logits       {gib(estimate.logits)}",
+        *([f"  attn scores  {gib(estimate.attention_scores)}  (local spec: s x s per head)"]
+          if estimate.attention_scores else []),
         f"  total        {gib(estimate.total)}  (+ CUDA context, NCCL buffers, fragmentation)",
     ]
     if gpu_memory_gib is not None:

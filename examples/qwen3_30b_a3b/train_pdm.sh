@@ -23,6 +23,8 @@
 #   8192-token samples, micro-batch = 512 samples / 4 minibatches / DP / 16 micro-batches; GiB, + CUDA/NCCL overhead):
 #   world 16 (NNODES=2, DP4, micro-batch 2): weights 7.5, grads 15.0, optimizer 21.4, activations 1.3, logits 4.6 = 49.8 GiB
 #   world 8 (NNODES=1, DP2, micro-batch 4): weights 7.5, grads 15.0, optimizer 42.7, activations 2.6, logits 9.3 = 77.1 GiB
+#   (the transformer-engine layer spec, used whenever TE is importable: fused attention)
+#   without transformer-engine the local spec keeps s x s attention scores: +12.0 GiB (world 16), +24.0 GiB (world 8)
 # Check any layout first, on any machine (one process, no GPU, report on this console):
 #   NNODES=2 TP=4 EP=8 bash train_pdm.sh --dry-run
 # See the driver's arguments without running anything (no GPU, no torchrun, no checks):

@@ -28,6 +28,7 @@ from megatron_pdm.analysis.token_table import TokenTable, state_hashes, token_ta
 from megatron_pdm.config import PolicyLossConfig
 from megatron_pdm.mcore import loss_adapter
 from megatron_pdm.mcore import optimizer as mopt
+from megatron_pdm.mcore.device import current_device, to_device
 from megatron_pdm.train.schedule import forward_backward, optimizer_step
 
 __all__ = ["MegatronProbe", "verify_all_ranks"]
@@ -83,7 +84,7 @@ class MegatronProbe:
         mbs = self.microbatches
 
         def forward_step(data_iterator, model):
-            mb = next(data_iterator)
+            mb = to_device(next(data_iterator))  # as the training step: batches packed on CPU
             output = model(mb.tokens, mb.position_ids, attention_mask=None)
 
             def collect(output_tensor, non_loss_data=False):
@@ -165,8 +166,7 @@ def verify_all_ranks(snap: snap_mod.StateSnapshot, model, optimizer) -> list[str
     """`snapshot.verify_snapshot` on this rank, made collective: non-empty on every rank when
     any rank's state differs from its snapshot (so all ranks raise together, none hangs)."""
     bad = snap_mod.verify_snapshot(snap, model, optimizer)
-    worst = torch.tensor([len(bad)], dtype=torch.int64,
-                         device="cuda" if torch.cuda.is_available() else "cpu")
+    worst = torch.tensor([len(bad)], dtype=torch.int64, device=current_device())
     # MAX all-reduce over all ranks of the number of differing entries.
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     if int(worst) and not bad:

@@ -55,6 +55,7 @@ from megatron_pdm.analysis.seed_study import measure_seed, token_arrays
 from megatron_pdm.analysis.summary import summarize
 from megatron_pdm.configtree import ConfigError, apply_override, check_fields
 from megatron_pdm.mcore import checkpoint as ckpt
+from megatron_pdm.mcore.device import current_device
 from megatron_pdm.mcore import optimizer as mopt
 from megatron_pdm.train import rollout_store
 from megatron_pdm.train import schedule as sched
@@ -227,7 +228,7 @@ def _gather_setup(a, cfg, path, ckpt_iteration, trainer, j) -> dict:
             "adam_state": a.adam_state,
             "lr": cfg.train.lr, "lr_warmup_steps": cfg.train.lr_warmup_steps, "clip_grad": cfg.train.clip_grad, "run_loss": cfg.loss.name,
             "ratio_cap": cfg.loss.ratio_cap, "torch_threads": torch.get_num_threads(),
-            "device": "cuda" if torch.cuda.is_available() else "cpu",
+            "device": str(current_device()),
             "run_config": cfg.to_dict()}
 
 

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from megatron_pdm.arch import Qwen3MoeArch
 from megatron_pdm.convert import mapping, sharding
 from megatron_pdm.convert.sharding import canonical_local_name
+from megatron_pdm.mcore.device import current_device
 
 __all__ = ["ShardSpec", "canonical_local_name", "gather_hf_state_dict", "iter_hf_groups"]
 
@@ -138,7 +139,8 @@ def iter_hf_groups(module: torch.nn.Module, arch: Qwen3MoeArch, *, dst: int = 0,
     for src, manifest in enumerate(manifests):
         for name, spec in manifest.items():
             owners.setdefault(name, []).append((src, spec))
-    ref = next(iter(local.values()))[0] if local else torch.empty(0)
+    # receive buffers: where this rank's parameters are (the driver's device with none)
+    buf_device = next(iter(local.values()))[0].device if local else current_device()
     for label, names in mapping.hf_group_names(arch):
         full: dict[str, torch.Tensor] = {}
         for name in names:
@@ -154,7 +156,7 @@ def iter_hf_groups(module: torch.nn.Module, arch: Qwen3MoeArch, *, dst: int = 0,
                         dist.send(local[name][0].contiguous(), dst=dst)
                 elif rank == dst:
                     buf = torch.empty(spec.shape, dtype=getattr(torch, spec.dtype.split(".")[1]),
-                                      device=ref.device)
+                                      device=buf_device)
                     dist.recv(buf, src=src)
                     parts.append((spec, buf))
             if rank == dst:

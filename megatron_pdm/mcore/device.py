@@ -18,6 +18,16 @@ def current_device() -> torch.device:
     return torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
 
 
+def place(module: torch.nn.Module) -> torch.nn.Module:
+    """`module` with every parameter and buffer on the current device (in place; returned).
+
+    megatron creates most weights there already (`use_cpu_initialization=False` on a GPU), but
+    not modules built from plain torch (our `TorchRMSNorm`), and on CPU init nothing; the
+    DistributedOptimizer's buffers would later move only the DDP-wrapped parameters.
+    """
+    return module.to(current_device())
+
+
 def to_device(batch, device: torch.device | None = None):
     """A copy of dataclass `batch` with every tensor field on `device` (default: current).
 

@@ -26,6 +26,11 @@ What this adapter owns (and the core op does not):
   No shifting happens here; only loss rows are selected (`loss_mask`).
 - Tensor parallelism. The TP group comes from megatron's parallel_state and is handed to
   `megatron_pdm.token_stats`, which needs exactly 2 collectives per call.
+- Logits dtype (one rule, decided by measured cost, docs/op.md "Logits dtype"): the op reads
+  the LM head's output in its own dtype, never a cast copy. Under the bf16 and FP8 recipes that
+  is bf16 (the op's bf16 path: fp32 arithmetic in chunks, a bf16 gradient; an fp32 copy would
+  add 4 bytes per logit, and megatron's output layer has no fp32 mode here); with fp32 params
+  the logits are fp32 and the op works in place.
 - The rollout's facts. The sampling temperature (logits are divided by it inside
   `token_stats`) and the engine vocabulary (megatron's padded ids beyond it are excluded) are
   read from the batch, which the rollout engine stamped: there is no second argument to forget.

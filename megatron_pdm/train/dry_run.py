@@ -79,15 +79,27 @@ def dry_run(cfg: RunConfig) -> int:
         return 2
     seq = cfg.rollout.max_sequence_length or task_seq or arch.max_position_embeddings
     micro = micro_batch_size(cfg, lay.dp)
-    est = layout.estimate_memory(arch, lay, micro_batch_size=micro, seq_length=seq,
-                                 params_dtype=cfg.precision.params_dtype,
-                                 fp8=cfg.precision.fp8 is not None,
-                                 distributed_optimizer=p.use_distributed_optimizer,
-                                 recompute=cfg.train.recompute,
-                                 num_microbatches=cfg.train.microbatches_per_minibatch,
-                                 fused_head_chunk=_fused_head_chunk(cfg))
+    te = ms.use_te(cfg)  # the layer spec this machine would build (fused attention with TE)
+
+    def estimate(attention: str):
+        return layout.estimate_memory(arch, lay, micro_batch_size=micro, seq_length=seq,
+                                      params_dtype=cfg.precision.params_dtype,
+                                      fp8=cfg.precision.fp8 is not None,
+                                      distributed_optimizer=p.use_distributed_optimizer,
+                                      recompute=cfg.train.recompute,
+                                      num_microbatches=cfg.train.microbatches_per_minibatch,
+                                      attention=attention,
+                                      fused_head_chunk=_fused_head_chunk(cfg))
+
+    est = estimate("fused" if te else "local")
     if rank0:
         print(layout.format_report(arch, lay, est), flush=True)
+        if te:
+            print("  layer spec: transformer-engine (fused attention, no s x s scores)", flush=True)
+        else:
+            print("  layer spec: local (transformer-engine is not importable here); with it "
+                  f"(fused attention) the total is {estimate('fused').total / layout.GIB:.2f} GiB",
+                  flush=True)
         print(f"  micro-batch: {micro} x {seq} tokens ({cfg.rollout.prompts_per_iteration} "
               f"prompts x {cfg.rollout.group_size} samples / {cfg.train.minibatches_per_iteration}"
               f" minibatches / DP {lay.dp} / {cfg.train.microbatches_per_minibatch} micro-batches)",

@@ -10,6 +10,8 @@
   params_dtype fp32|bf16 (bf16: `bf16=True`, fp32 main grads and Adam in the optimizer),
   fp8 e4m3|hybrid + fp8_recipe delayed|tensorwise|blockwise|mxfp8 (Transformer Engine only),
   recompute full (uniform, 1 layer per chunk) | selective (megatron's default: core attention).
+- `use_te`: the Transformer Engine layer spec whenever TE is importable (and for FP8), else the
+  local spec.
 - `check_runtime`: FP8 needs transformer-engine and CUDA; refused with a clear error otherwise.
 - `load_initial_weights`: reads the converted dist checkpoint into this rank's GPTModel at any
   TP/EP/PP (vocab padding must agree; the TE/local pre-MLP-norm key is renamed as needed).
@@ -83,8 +85,10 @@ def megatron_kwargs(cfg: RunConfig) -> dict:
 
 
 def use_te(cfg: RunConfig) -> bool:
-    """The Transformer Engine layer spec is used for FP8 (and only then: CPU has no TE)."""
-    return cfg.precision.fp8 is not None
+    """The Transformer Engine layer spec whenever TE is importable (BF16 too: its fused attention
+    keeps no s x s scores, the local spec's attention materialises them in fp32), and for FP8
+    (`check_runtime` refuses FP8 without TE); the local spec otherwise (CPU)."""
+    return cfg.precision.fp8 is not None or have_transformer_engine()
 
 
 def key_style(cfg: RunConfig) -> str:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_pdm.mcore.device import current_device, place
 from rollout_bridge.local.engine import LocalEngine
 from rollout_bridge.core.types import RolloutBatch
 
@@ -76,7 +77,7 @@ def build_rollout(cfg, arch, tconfig, task, trainer_module_fn, *, meta: dict | N
         return VLLMRollout(cfg, arch, trainer_module_fn)
     from megatron_pdm.mcore.model import build_model
 
-    rollout_gpt = build_model(arch, tconfig, use_te=ms.use_te(cfg))
+    rollout_gpt = place(build_model(arch, tconfig, use_te=ms.use_te(cfg)))
     engine = build_engine(rollout_gpt, vocab_size=arch.vocab_size, top_logprobs=r.top_logprobs,
                           seed=cfg.seed, rollout_precision=r.rollout_precision,
                           eos_id=task.eos_id, pad_id=task.pad_id, tp_size=cfg.parallel.tp,
@@ -91,7 +92,8 @@ def build_engine(rollout_gpt: torch.nn.Module, *, vocab_size: int, top_logprobs:
     # Precision is applied by every update_weights; the trainer syncs before the first rollout.
     engine = LocalEngine(model, vocab_size=vocab_size, top_logprobs=top_logprobs, seed=seed,
                          rollout_precision=None, eos_token_id=eos_id, pad_token_id=pad_id,
-                         max_batch_size=1 << 20, fp8_block_size=fp8_block_size)
+                         max_batch_size=1 << 20, fp8_block_size=fp8_block_size,
+                         device=current_device())
     engine.rollout_precision = rollout_precision
     return engine
 

@@ -48,6 +48,7 @@ from megatron_pdm.mcore import ckpt_files
 from megatron_pdm.mcore import loss_adapter
 from megatron_pdm.mcore import optimizer as mopt
 from megatron_pdm.mcore.lm_head import lm_head_of
+from megatron_pdm.mcore.device import place
 from megatron_pdm.mcore.model import build_model, transformer_config
 from megatron_pdm.mcore.parallel import current_parallel_info, init_parallel
 from megatron_pdm.train import model_setup as ms
@@ -92,9 +93,9 @@ class Trainer:
                                           calculate_per_token_loss=True,
                                           **ms.megatron_kwargs(cfg))
         torch.manual_seed(cfg.seed)
-        gpt = build_model(self.arch, self.tconfig, use_te=ms.use_te(cfg),
-                          pre_process=ps.is_pipeline_first_stage(ignore_virtual=True),
-                          post_process=self.is_last_stage, fused_head=cfg.train.fused_head)
+        gpt = place(build_model(self.arch, self.tconfig, use_te=ms.use_te(cfg),
+                                pre_process=ps.is_pipeline_first_stage(ignore_virtual=True),
+                                post_process=self.is_last_stage, fused_head=cfg.train.fused_head))
         # train.fused_head: the losses apply the LM head themselves (None: the model's logits).
         self.head = lm_head_of(gpt)
         if self.meta is not None:

@@ -1,4 +1,4 @@
-"""In-process CPU rollout engine over a torch logits callable.
+"""In-process rollout engine over a torch logits callable (CPU, or the model's `device`).
 
 What: `LocalEngine` samples responses from `softmax(model(ids)[:, -1] / temperature)` and returns
 the exact top-K of the tempered log-softmax in the same `RolloutSample` format as the SGLang
@@ -96,6 +96,9 @@ class LocalEngine:
         max_batch_size: Sequences per forward.
         weight_version: Initial version string.
         validate: Validate every produced support (cheap; on by default).
+        device: Where the model's parameters live: its inputs are built there and the sampling
+            math runs there (the Gumbel noise is drawn on the CPU generator, for identical draws
+            on every device, and moved); the samples come back as host tensors.
     """
 
     def __init__(self, model: Callable[[torch.Tensor], torch.Tensor], *, vocab_size: int,
@@ -103,8 +106,10 @@ class LocalEngine:
                  eos_token_id: int | None = None, pad_token_id: int = 0,
                  fp8_block_size: int | None = 128, precision_skip: Iterable[str] = (),
                  allow_truncated_sampling: bool = False, max_batch_size: int = 64,
-                 weight_version: str = "0", validate: bool = True):
+                 weight_version: str = "0", validate: bool = True,
+                 device: torch.device | str = "cpu"):
         self.model = model
+        self.device = torch.device(device)
         self.vocab_size = int(vocab_size)
         self.top_logprobs = int(top_logprobs)
         if not 0 <= self.top_logprobs <= self.vocab_size:
@@ -204,7 +209,7 @@ class LocalEngine:
         ids_bl = torch.full((len(seqs), int(lens.max())), self.pad_token_id, dtype=torch.int64)
         for b, s in enumerate(seqs):
             ids_bl[b, :len(s)] = torch.as_tensor(s, dtype=torch.int64)
-        logits_blv = _logits_of(self.model(ids_bl))
+        logits_blv = _logits_of(self.model(ids_bl.to(self.device)))
         if logits_blv.shape[-1] < self.vocab_size:
             raise ValueError(f"model returns {logits_blv.shape[-1]} logits < vocab_size "
                              f"{self.vocab_size}")
@@ -222,10 +227,10 @@ class LocalEngine:
         Returns:
             [L, vocab_size] fp32 log-probs.
         """
-        ids_1l = torch.as_tensor([input_ids], dtype=torch.int64)
+        ids_1l = torch.as_tensor([input_ids], dtype=torch.int64).to(self.device)
         logits_lv = _logits_of(self.model(ids_1l))[0, :, :self.vocab_size].float()
         scale = temperature if temperature > 0 else 1.0
-        return torch.log_softmax(logits_lv / scale, dim=-1)
+        return torch.log_softmax(logits_lv / scale, dim=-1).cpu()
 
     def _generator(self) -> torch.Generator:
         self._calls += 1
@@ -291,7 +296,8 @@ class LocalEngine:
             lp_av = torch.log_softmax(logits_av / (temperature if temperature > 0 else 1.0), -1)
             # Noise for the whole chunk every step keeps draws independent of `active`.
             u_bv = torch.rand(b, self.vocab_size, generator=gen, dtype=torch.float64)
-            gumbel_av = -torch.log(-torch.log(u_bv.clamp_min(1e-300)))[active].float()
+            gumbel_av = -torch.log(-torch.log(u_bv.clamp_min(1e-300)))[active].float().to(
+                self.device)
             sample_lp_av = _truncate(lp_av, trunc_params) if trunc_params else lp_av
             if temperature > 0:
                 tok_a = torch.argmax(sample_lp_av + gumbel_av, dim=-1)
@@ -320,8 +326,8 @@ class LocalEngine:
             ids_t = np.asarray(sampled[i], dtype=np.int64)
             lp_t = np.asarray(sampled_lp[i], dtype=np.float64)
             if self.top_logprobs > 0 and t:
-                ids_tk = torch.stack(top_ids[i]).numpy().astype(np.int64)
-                lp_tk = torch.stack(top_lp[i]).numpy().astype(np.float64)
+                ids_tk = torch.stack(top_ids[i]).cpu().numpy().astype(np.int64)
+                lp_tk = torch.stack(top_lp[i]).cpu().numpy().astype(np.float64)
             else:
                 ids_tk = np.zeros((t, self.top_logprobs), dtype=np.int64)
                 lp_tk = np.zeros((t, self.top_logprobs))

@@ -213,10 +213,13 @@ def test_jsonl_task(tmp_path):
 _MEM_KEYS = ("weights", "grads", "optimizer", "activations", "logits", "total")
 
 
-def _dry_run_figures(script: str, world: int, monkeypatch, capsys) -> dict:
-    """GiB per GPU as printed by the driver's --dry-run for the script's overrides at `world`."""
+def _dry_run_figures(script: str, world: int, monkeypatch, capsys, *, te: bool = True) -> dict:
+    """GiB per GPU as printed by the driver's --dry-run for the script's overrides at `world`,
+    on a machine where transformer-engine is importable (`te`, the cluster's: the TE layer spec)
+    or not (the local spec, whose s x s attention scores the estimate adds)."""
     from megatron_pdm.train.dry_run import dry_run
 
+    monkeypatch.setattr(ms, "have_transformer_engine", lambda: te)
     cfg = RunConfig.load(str(EXAMPLE / "pdm.yaml"), script_overrides(script))
     monkeypatch.setenv("WORLD_SIZE", str(world))
     monkeypatch.setenv("RANK", "0")
@@ -226,6 +229,8 @@ def _dry_run_figures(script: str, world: int, monkeypatch, capsys) -> dict:
     figures = {k: float(re.search(rf"^\s+{k}\s+([\d.]+) GiB", out, re.M).group(1))
                for k in _MEM_KEYS}
     figures["micro"] = int(re.search(r"micro-batch: (\d+) x", out).group(1))
+    scores = re.search(r"^\s+attn scores\s+([\d.]+) GiB", out, re.M)
+    figures["scores"] = float(scores.group(1)) if scores else 0.0
     return figures
 
 
@@ -268,6 +273,20 @@ def test_script_header_memory_is_the_dry_run(script, monkeypatch, capsys):
         got = _dry_run_figures(script, int(world), monkeypatch, capsys)
         assert int(micro) == got["micro"], (script, world)
         assert [float(x) for x in gib] == [round(got[k], 1) for k in _MEM_KEYS], (script, world)
+
+
+def test_script_header_local_spec_line_is_the_dry_run(monkeypatch, capsys):
+    """Without transformer-engine the bf16 script's dry run adds the local spec's attention
+    scores; the header states them."""
+    text = (EXAMPLE / "train_pdm.sh").read_text()
+    m = re.search(r"^#\s+without transformer-engine .*: \+([\d.]+) GiB \(world 16\), "
+                  r"\+([\d.]+) GiB \(world 8\)", text, re.M)
+    assert m, "train_pdm.sh header lacks the local-spec line"
+    for world, stated in ((16, m.group(1)), (8, m.group(2))):
+        local = _dry_run_figures("train_pdm.sh", world, monkeypatch, capsys, te=False)
+        fused = _dry_run_figures("train_pdm.sh", world, monkeypatch, capsys, te=True)
+        assert fused["scores"] == 0 and local["scores"] == float(stated), world
+        assert round(local["total"] - fused["total"], 1) == float(stated), world
 
 
 def test_readme_memory_table_is_the_dry_run(monkeypatch, capsys):

@@ -278,3 +278,27 @@ def test_the_study_probe_reads_a_batch_through_batch_token_stats(monkeypatch):
     probe = MegatronProbe(None, None, [packed], [], pp=1)
     probe._table_of(torch.randn(b, s, V_PADDED), packed)
     assert calls == [{"stats_dtype": torch.float64, "head": None}]  # None: logits, no fused head
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_op_reads_the_lm_head_output_in_its_own_dtype(monkeypatch, dtype):
+    """The logits-dtype rule (docs/op.md): no fp32 copy of bf16 logits; fp32 logits in place."""
+    from megatron_pdm.mcore import loss_adapter
+
+    seen = {}
+    real = loss_adapter.token_stats
+
+    def spy(logits, *args, **kwargs):
+        seen.update(dtype=logits.dtype, ptr=logits.untyped_storage().data_ptr(),
+                    inplace=kwargs["inplace"])
+        return real(logits, *args, **kwargs)
+
+    monkeypatch.setattr(loss_adapter, "token_stats", spy)
+    batch, _ = _batch()
+    packed = pack_padded(batch, torch.tensor([0.5, -0.5, 1.0]))
+    logits = torch.randn(*packed.tokens.shape, V_PADDED).to(dtype).requires_grad_(True)
+    out = logits * 1  # a non-leaf, as the output layer's result
+    loss, _, _ = loss_adapter.make_loss_func(packed, pdm.PolicyLossConfig.preset("pdm-agg"))(out)
+    loss.backward()
+    assert seen["dtype"] == dtype and seen["ptr"] == out.untyped_storage().data_ptr()
+    assert seen["inplace"] and logits.grad.dtype == dtype and torch.isfinite(logits.grad).all()

@@ -56,6 +56,10 @@ def test_smoke_mode_runs_every_part_and_writes_each_parts_shape(tmp_path):
     assert {(r["vocab"], r["dtype"]) for r in rows} == {(1000, "bf16"), (1000, "fp32"),
                                                        (250, "bf16"), (250, "fp32")}
     assert all(r["ratio_time"] == r["pdm_ms"] / r["ce_ms"] for r in rows)
+    for r in rows:  # bf16 logits: also the op on their fp32 copy (the logits-dtype decision)
+        assert ("ratio_time_cast_vs_bf16" in r) is (r["dtype"] == "bf16"), r
+        if r["dtype"] == "bf16":
+            assert r["ratio_time_cast_vs_bf16"] == r["pdm_fp32_cast_ms"] / r["pdm_ms"]
     assert parts["op_vs_ce"]["result"]["validate"] is False
     step = parts["optimizer_step"]["result"]
     assert step["layers"] == 2 and step["grad_norm_finite"]
