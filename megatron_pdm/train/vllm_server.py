@@ -117,14 +117,14 @@ def check_servable(arch) -> None:
     if arch.head_dim < 32:
         raise ConfigError(f"model.head_dim={arch.head_dim}: vLLM's CPU attention needs "
                           "head_dim >= 32")
-    if arch.moe_ffn_hidden_size % 32:
+    if arch.num_experts and arch.moe_ffn_hidden_size % 32:
         raise ConfigError(f"model.moe_ffn_hidden_size={arch.moe_ffn_hidden_size}: vLLM's CPU MoE "
                           "kernel pads it to a multiple of 32, and a padded layer cannot be "
                           "reloaded in place (weight sync)")
 
 
 def run_arch(cfg):
-    """The run's `Qwen3MoeArch` with the vocabulary resolved (task tokenizer or checkpoint)."""
+    """The run's `ModelArch` with the vocabulary resolved (task tokenizer or checkpoint)."""
     from megatron_pdm.train import model_setup as ms
     from megatron_pdm.train.task import build_task
 
@@ -135,7 +135,7 @@ def run_arch(cfg):
 
 def prepare_model_dir(arch, out_dir: str | os.PathLike, *, seed: int = 0,
                       dtype: str = "float32") -> Path:
-    """An HF Qwen3-MoE directory of `arch` with random weights (per-expert names).
+    """An HF directory of `arch` (its family: Qwen3-MoE, dense Qwen3, Llama) with random weights.
 
     The weights only have to have the right names and shapes: the trainer pushes its own before
     the first rollout. Norm weights are ones, the rest N(0, 0.02).
