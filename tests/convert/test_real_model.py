@@ -3,7 +3,8 @@
 HF -> megatron TP 3 -> HF is bit-exact, and megatron's logits match transformers' within
 verify_conversion's default thresholds on chat-template prompts of the model's own tokenizer.
 TP 3, not 2: its 9 query / 3 key-value heads divide by 1 and 3 only. Skipped (with the reason)
-when `make real-model` has not prepared the directory.
+when `make real-model` has not prepared the directory (a failure under `make test`, which
+prepares it: tests/conftest.py `real_model_dir`).
 """
 
 from __future__ import annotations
@@ -24,9 +25,7 @@ def _tool(name):
 
 
 @pytest.fixture(scope="module")
-def real_tp3(tmp_path_factory):
-    if not (REAL / "model.safetensors").is_file():
-        pytest.skip(f"{REAL} is not prepared: run `make real-model` (docs/real-model.md)")
+def real_tp3(tmp_path_factory, real_model_dir):  # skips (or fails under make test) unprepared
     out = tmp_path_factory.mktemp("real") / "tp3"
     _tool("convert_hf_to_megatron").convert_hf_to_megatron(str(REAL), str(out), tp=3)
     return out
@@ -55,10 +54,8 @@ def test_real_model_logits_match_transformers_on_its_tokenizer(real_tp3):
     assert result["argmax_agreement"] == 1.0
 
 
-def test_real_model_import_at_tp2_is_refused_by_name(tmp_path):
+def test_real_model_import_at_tp2_is_refused_by_name(tmp_path, real_model_dir):
     """9 query / 3 key-value heads do not split over 2 ranks: refused before any rank starts."""
-    if not (REAL / "model.safetensors").is_file():
-        pytest.skip(f"{REAL} is not prepared: run `make real-model` (docs/real-model.md)")
     with pytest.raises(ValueError, match="num_query_groups=3 is not divisible by TP=2"):
         _tool("convert_hf_to_megatron").convert_hf_to_megatron(str(REAL), str(tmp_path / "x"),
                                                                tp=2)
