@@ -81,17 +81,18 @@ def _print_pair(res: dict) -> None:
     for row in res["direction"]:
         print(f"| {_bin_label(row['bin'])} | {row['tokens']} | "
               + " | ".join(_pct(row[c], row["tokens"]) for c in DIR_COLS) + " |")
+    print("\nmask decisions (each token under A > 0 and under A < 0; out = D > delta; "
+          "differs = keep/drop differs from the exact tail's, A > 0 / A < 0; per-bin counts "
+          "in the JSON)")
+    print("| proximity, delta | out of region | aggregated differs | uniform differs | "
+          "ratio direction differs | bins of the out-of-region tokens (A > 0) |")
+    print("|---|---|---|---|---|---|")
     for group, rows in res["masks"].items():
-        print(f"\nmask decisions, {group} (each token under A > 0 and A < 0; out = D > delta;"
-              " differs = keep/drop differs from the exact tail's)")
-        print("| mu tail mass | tokens | out A>0 | out A<0 | agg differs (A>0 / A<0) | "
-              "unif differs | ratio differs |")
-        print("|---|---|---|---|---|---|---|")
-        for row in rows:
-            n = row["tokens"]
-            cells = [f"{row[f'{s} A>0']} / {row[f'{s} A<0']}" for s in ("agg", "unif", "ratio")]
-            print(f"| {_bin_label(row['bin'])} | {n} | {_pct(row['out A>0'], n)} | "
-                  f"{_pct(row['out A<0'], n)} | " + " | ".join(cells) + " |")
+        tot = rows[-1]
+        cells = [f"{tot[f'{s} A>0']} / {tot[f'{s} A<0']}" for s in ("out", "agg", "unif", "ratio")]
+        where = ", ".join(f"{_bin_label(r['bin'])}: {r['out A>0']}" for r in rows[:-1]
+                          if r["out A>0"])
+        print(f"| {group} | " + " | ".join(cells) + f" | {where or '-'} |")
 
 
 def main(argv: list[str] | None = None) -> int:
