@@ -25,7 +25,10 @@ simulated (CE runs its all-reduces on a real world-1 gloo group; our op skips th
 
 Timing: medians over --reps rounds after one warm-up round; the variants alternate within every
 round (load from other jobs on a shared machine hits all of them alike); fresh logits are made
-outside the timed region before every step (CE and op_inplace overwrite them). Threads:
+outside the timed region before every step (CE and op_inplace overwrite them). Also reported:
+the fastest round (`min_s`) and the paired ratio (`vs_ce_paired`, the median over rounds of the
+variant's time over CE's in the same round), steadier than the ratio of medians when other jobs
+load the machine. Threads:
 `--threads n` sets OMP_NUM_THREADS and torch.set_num_threads(n) before torch starts.
 Peak memory: each variant runs once in a fresh spawned process that loads the same inputs; the
 peak RSS (VmHWM, reset through /proc/self/clear_refs once the inputs and the logits exist) minus
@@ -192,6 +195,14 @@ def _timings(variants, inp, reps: int) -> dict[str, list[float]]:
     return times
 
 
+def _paired_ratio(times: dict[str, list[float]], variant: str) -> float:
+    """Median over rounds of t(variant) / t(CE) in the same round: on a shared machine the load
+    of one round hits both alike, so the paired ratio is steadier than the ratio of medians."""
+    if "ce" not in times:
+        return float("nan")
+    return statistics.median(t / c for t, c in zip(times[variant], times["ce"]))
+
+
 def run(args, kind: str) -> list[dict]:
     dtype = DTYPES[args.dtype]
     variants = args.variants.split(",")
@@ -219,6 +230,7 @@ def run(args, kind: str) -> list[dict]:
             vocab_local=args.vocab_local, tp=args.tp, top_k=args.top_k,
             threads=torch.get_num_threads(), reps=args.reps, median_s=med[v],
             times_s=times[v], vs_ce=med[v] / med["ce"] if "ce" in med else float("nan"),
+            min_s=min(times[v]), vs_ce_paired=_paired_ratio(times, v),
             extra_peak_mib=memory.get(v, float("nan")) / 2**20,
             mem_vs_ce=(memory[v] / memory["ce"]) if memory.get("ce") else float("nan"),
             **facts))
@@ -257,12 +269,14 @@ def main() -> None:
     print(f"N={args.tokens} V_local={args.vocab_local} (V={args.vocab_local * args.tp}, "
           f"TP={args.tp}) K={args.top_k} dtype={args.dtype} threads={torch.get_num_threads()} "
           f"reps={args.reps}")
-    print("| inputs | variant | fwd+bwd median (s) | vs CE | extra peak RSS (MiB) | vs CE |")
-    print("|---|---|---|---|---|---|")
+    print("| inputs | variant | fwd+bwd median (s) | vs CE | paired vs CE | min (s) | "
+          "extra peak RSS (MiB) | vs CE |")
+    print("|---|---|---|---|---|---|---|---|")
     for kind in args.inputs.split(","):
         rows = run(args, kind)
         for r in rows:
             print(f"| {kind} | {r['variant']} | {r['median_s']:.3f} | {r['vs_ce']:.2f}x | "
+                  f"{r['vs_ce_paired']:.2f}x | {r['min_s']:.3f} | "
                   f"{r['extra_peak_mib']:.0f} | {r['mem_vs_ce']:.2f}x |", flush=True)
         print(f"<!-- {kind}: row max in support {rows[0]['row_max_in_support']:.3f}, sampled "
               f"token in top-K {rows[0]['sampled_in_top_k']:.3f} -->", flush=True)
