@@ -232,7 +232,8 @@ def build(cfg: RealLogitsConfig) -> RealLogits:
 
     if not model_available(cfg.model_dir):
         raise FileNotFoundError(f"no prepared real model at {cfg.model_dir}: run "
-                                "`make real-model` (python -m megatron_pdm.tools.prepare_real_model)")
+                                "`make real-model` "
+                                "(python -m megatron_pdm.tools.prepare_real_model)")
     torch.set_num_threads(cfg.threads)
     t0 = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(cfg.model_dir)

@@ -1,6 +1,6 @@
 """The op on the real model's distributions: top-K mass and the tail estimators' fidelity.
 
-    python -m megatron_pdm.tools.real_tails [--tokens 2048] [--top-k 20] [--json runs/real_tails.json]
+    python -m megatron_pdm.tools.real_tails [--tokens 2048] [--top-k 20] [--json PATH]
 
 For each RL pair of megatron_pdm/analysis/real_logits.py (`bf16`: fp32 trainer vs bf16 engine;
 `step`: the policy one Adam step after the rollout vs the rollout model) it builds the engine's
@@ -31,7 +31,10 @@ DIR_COLS = ("kl agg != exact", "kl unif != exact", "tv agg != exact", "tv unif !
 
 
 def _bin_label(b, edges=tf.TAIL_BINS) -> str:
-    return "all" if b == "all" else f"[{edges[b]:g}, {edges[b + 1]:g}{']' if b == len(edges) - 2 else ')'}"
+    if b == "all":
+        return "all"
+    close = "]" if b == len(edges) - 2 else ")"
+    return f"[{edges[b]:g}, {edges[b + 1]:g}{close}"
 
 
 def _pct(num: int, den: int) -> str:
