@@ -18,6 +18,8 @@ Modules (one job each):
     plots.py          the PNGs (paired per-seed comparison, predicted vs realised, global term)
     report.py         JSON and Markdown outputs
     study.py          the whole study (what megatron-pdm-analyze-masks runs under torchrun)
+    real_logits.py    the real model's logits on sampled responses, with bf16 / one-step behaviour
+    tail_fidelity.py  the tail estimators against the exact one by tail-mass bin (real_tails tool)
 
 The driver's opt-in rollout saver that feeds it lives in train/rollout_store.py (the driver
 may not import this package).
