@@ -10,6 +10,10 @@ is drawn from pi, and the behaviour log-probabilities are log mu, exactly normal
 rows the training policy's row maximum is almost always a support column, and rank 0 owns the
 support ids that fall in its shard [0, V_local).
 
+`real` is the real model's logits (SmolLM2-135M-Instruct, V = 49,152; megatron_pdm/analysis/
+real_logits.py, cached in .cache/): pi = the fp32 trainer's logits on sampled responses, the
+support = the top-K of the bf16 engine copy (the "bf16" pair) with the sampled token folded in.
+
 `random` is the earlier benchmark's input: Gaussian logits (scale 3) and a support drawn with
 `randperm` from the local shard, so the row maximum is almost never a support column. Kept as a
 second row: it shows what changes when the op's masked columns do not hold the maximum.
@@ -100,16 +104,37 @@ def _random(n: int, vl: int, tp: int, k: int, dtype: torch.dtype, seed: int, oth
             "valid": valid, "behavior_logprob": torch.full((n,), -4.0), "vocab_size": vl * tp}
 
 
+def _real(n: int, vl: int, tp: int, k: int, dtype: torch.dtype, other: bool, pair: str):
+    """The real model's logits (megatron_pdm/analysis/real_logits.py, cached): pi's logits of
+    the RL pair `pair`, the engine's top-K of mu with the sampled token folded in."""
+    from megatron_pdm.analysis import real_logits as rl
+
+    data = rl.load_or_build(rl.RealLogitsConfig(tokens=max(n, rl.RealLogitsConfig.tokens)))
+    pi_NV, mu_NV = data.pair(pair)
+    vocab = pi_NV.shape[1]
+    if vl * tp != vocab:
+        raise ValueError(f"real inputs: V_local {vl} x TP {tp} != the model's vocabulary {vocab}")
+    sampled = data.sampled_ids[:n]
+    ids, lp, valid, beh = rl.engine_support(mu_NV[:n], sampled, k)
+    return {"shard": pi_NV[:n, :vl].to(dtype).contiguous(),
+            "other": pi_NV[:n, vl:].to(dtype).contiguous() if other else None,
+            "sampled": sampled, "ids": ids, "logprobs": lp, "valid": valid,
+            "behavior_logprob": beh, "vocab_size": vocab}
+
+
 def make_inputs(kind: str, n: int, vl: int, tp: int, k: int, dtype: torch.dtype, *,
-                seed: int = 0, other: bool = False) -> dict:
+                seed: int = 0, other: bool = False, pair: str = "bf16") -> dict:
     """Inputs of rank 0: `shard` [N, Vl] in `dtype`, `other` (the remaining [N, V - Vl] columns,
     only with other=True: what an all-gather adds), `sampled` [N], `ids`/`logprobs`/`valid`
-    [N, K+1], `behavior_logprob` [N], `vocab_size` V."""
+    [N, K+1], `behavior_logprob` [N], `vocab_size` V. `pair` (real inputs only): the RL pair of
+    megatron_pdm/analysis/real_logits.py."""
     if kind == "realistic":
         return _realistic(n, vl, tp, k, dtype, seed, other)
     if kind == "random":
         return _random(n, vl, tp, k, dtype, seed, other)
-    raise ValueError(f"unknown input kind {kind!r} (realistic | random)")
+    if kind == "real":
+        return _real(n, vl, tp, k, dtype, other, pair)
+    raise ValueError(f"unknown input kind {kind!r} (realistic | random | real)")
 
 
 def describe(inp: dict) -> dict:

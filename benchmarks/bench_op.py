@@ -5,6 +5,8 @@ What is compared, on the same [N, V_local] logits shard of one TP rank, in one p
   op_inplace  megatron_pdm.token_stats(..., inplace=True, validate=False): the Megatron adapter's
               path (fp32: works in the logits' storage like CE; bf16 ignores the flag)
   op          token_stats with the logits kept intact (default; softmax recomputed in backward)
+  op_inplace_validated  op_inplace with validate=True (the support contract checked on the host
+              every call, as for a caller that did not validate at the bridge)
   gather      "all-gather then log_softmax": full [N, V] logits, fp32 log_softmax, fwd + bwd
   ce_fp32     Megatron's default loss path on 16-bit logits: CE of `logits.float()`
   op_fp32     16-bit logits cast to fp32 (what an fp32 LM-head output costs) then op_inplace;
@@ -12,7 +14,9 @@ What is compared, on the same [N, V_local] logits shard of one TP rank, in one p
 
 Inputs (benchmarks/bench_inputs.py): `realistic` = what RL feeds the op (support = top-K of a
 behaviour distribution near the policy, sampled tokens drawn from the policy, behaviour
-log-probs from that distribution), `random` = the earlier random-support inputs. The logits are
+log-probs from that distribution), `random` = the earlier random-support inputs, `real` = the
+real model's logits (SmolLM2-135M-Instruct, V = 49,152: `--real` sets N 2048, V_local 16384 at
+TP 3; give --tp 1 --vocab-local 49152 for the whole vocabulary). The logits are
 a non-leaf (`base * w` with a scalar leaf w, made outside the timed region), as inside Megatron,
 and the gradient is taken with torch.autograd.grad(loss, logits): no AccumulateGrad copy for
 any variant. Loss = sum of the per-token CE (resp. sum of log pi_k), gradient of ones.
@@ -24,7 +28,10 @@ simulated (CE runs its all-reduces on a real world-1 gloo group; our op skips th
 
 Timing: medians over --reps rounds after one warm-up round; the variants alternate within every
 round (load from other jobs on a shared machine hits all of them alike); fresh logits are made
-outside the timed region before every step (CE and op_inplace overwrite them). Threads:
+outside the timed region before every step (CE and op_inplace overwrite them). Also reported:
+the fastest round (`min_s`) and the paired ratio (`vs_ce_paired`, the median over rounds of the
+variant's time over CE's in the same round), steadier than the ratio of medians when other jobs
+load the machine. Threads:
 `--threads n` sets OMP_NUM_THREADS and torch.set_num_threads(n) before torch starts.
 Peak memory: each variant runs once in a fresh spawned process that loads the same inputs; the
 peak RSS (VmHWM, reset through /proc/self/clear_refs once the inputs and the logits exist) minus
@@ -34,6 +41,7 @@ Usage:
   python benchmarks/bench_op.py --tokens 2048 --vocab-local 75968 --threads 1
   python benchmarks/bench_op.py --tokens 8192 --vocab-local 37984 --tp 4 --dtype bf16 \
       --inputs realistic,random --threads 2 --json results.jsonl
+  python benchmarks/bench_op.py --real --threads 1      # real model, TP 3 shard
 """
 
 from __future__ import annotations
@@ -73,7 +81,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_inputs import describe, make_inputs
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-VARIANTS = ("ce", "op_inplace", "op", "gather", "ce_fp32", "op_fp32")
+VARIANTS = ("ce", "op_inplace", "op_inplace_validated", "op", "gather", "ce_fp32", "op_fp32")
 
 
 def _setup_megatron_ce():
@@ -112,15 +120,21 @@ def _step_fn(variant: str, inp: dict):
             return torch.autograd.grad(stats.logprob.sum(), x)[0]
 
         return step
-    if variant in ("op", "op_inplace"):
-        inplace = variant == "op_inplace"
+    if variant in ("op", "op_inplace", "op_inplace_validated"):
+        inplace = variant != "op"
+        validate = variant == "op_inplace_validated"
         # rank 0's shard alone: ids of the other ranks' shards (>= V_local) are not owned here,
-        # exactly as on rank 0 of a real group (validate=False: the adapter's setting)
+        # exactly as on rank 0 of a real group (validate=False: the adapter's setting). The
+        # validated variant checks the ids against the full vocabulary (a TP rank validates
+        # the replicated support against the engine's vocabulary) and so needs them in range
+        # of the shard it is given: it runs with vocab_size = V_local only when every id fits.
         vocab = inp["shard"].shape[1]
+        if validate and int(ids[valid].max()) >= vocab:
+            raise ValueError("op_inplace_validated needs every support id < V_local (use --tp 1)")
 
         def step(x):
             stats = pdm.token_stats(x, sampled, ids, lp, valid, vocab_size=vocab,
-                                    validate=False, inplace=inplace, tp_group=None)
+                                    validate=validate, inplace=inplace, tp_group=None)
             return torch.autograd.grad(stats.logprob.sum(), x)[0]
 
         return step
@@ -194,11 +208,19 @@ def _timings(variants, inp, reps: int) -> dict[str, list[float]]:
     return times
 
 
+def _paired_ratio(times: dict[str, list[float]], variant: str) -> float:
+    """Median over rounds of t(variant) / t(CE) in the same round: on a shared machine the load
+    of one round hits both alike, so the paired ratio is steadier than the ratio of medians."""
+    if "ce" not in times:
+        return float("nan")
+    return statistics.median(t / c for t, c in zip(times[variant], times["ce"]))
+
+
 def run(args, kind: str) -> list[dict]:
     dtype = DTYPES[args.dtype]
     variants = args.variants.split(",")
     inp = make_inputs(kind, args.tokens, args.vocab_local, args.tp, args.top_k, dtype,
-                      seed=args.seed, other="gather" in variants)
+                      seed=args.seed, other="gather" in variants, pair=args.pair)
     facts = describe(inp)
     memory: dict[str, float] = {}
     if not args.no_memory:
@@ -221,6 +243,7 @@ def run(args, kind: str) -> list[dict]:
             vocab_local=args.vocab_local, tp=args.tp, top_k=args.top_k,
             threads=torch.get_num_threads(), reps=args.reps, median_s=med[v],
             times_s=times[v], vs_ce=med[v] / med["ce"] if "ce" in med else float("nan"),
+            min_s=min(times[v]), vs_ce_paired=_paired_ratio(times, v),
             extra_peak_mib=memory.get(v, float("nan")) / 2**20,
             mem_vs_ce=(memory[v] / memory["ce"]) if memory.get("ce") else float("nan"),
             **facts))
@@ -242,18 +265,31 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-memory", action="store_true", help="skip the peak-RSS processes")
     ap.add_argument("--json", default=None, help="append one JSON line per row to this file")
+    ap.add_argument("--real", action="store_true",
+                    help="real model inputs: --inputs real, N 2048, V_local 16384 at TP 3 "
+                         "unless given")
+    ap.add_argument("--pair", default="bf16", help="real inputs: the RL pair (bf16 | step)")
     args = ap.parse_args()
+    if args.real:
+        given = set(sys.argv)
+        args.inputs = "real"
+        if "--vocab-local" not in given:
+            args.vocab_local = 16384
+        if "--tp" not in given:
+            args.tp = 49152 // args.vocab_local
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"N={args.tokens} V_local={args.vocab_local} (V={args.vocab_local * args.tp}, "
           f"TP={args.tp}) K={args.top_k} dtype={args.dtype} threads={torch.get_num_threads()} "
           f"reps={args.reps}")
-    print("| inputs | variant | fwd+bwd median (s) | vs CE | extra peak RSS (MiB) | vs CE |")
-    print("|---|---|---|---|---|---|")
+    print("| inputs | variant | fwd+bwd median (s) | vs CE | paired vs CE | min (s) | "
+          "extra peak RSS (MiB) | vs CE |")
+    print("|---|---|---|---|---|---|---|---|")
     for kind in args.inputs.split(","):
         rows = run(args, kind)
         for r in rows:
             print(f"| {kind} | {r['variant']} | {r['median_s']:.3f} | {r['vs_ce']:.2f}x | "
+                  f"{r['vs_ce_paired']:.2f}x | {r['min_s']:.3f} | "
                   f"{r['extra_peak_mib']:.0f} | {r['mem_vs_ce']:.2f}x |", flush=True)
         print(f"<!-- {kind}: row max in support {rows[0]['row_max_in_support']:.3f}, sampled "
               f"token in top-K {rows[0]['sampled_in_top_k']:.3f} -->", flush=True)

@@ -22,6 +22,8 @@ Modules (one job each):
     power.py          the seed count of the paired test, from an effect and a pilot's spread
     study.py          the whole study (what megatron-pdm-analyze-masks runs under torchrun)
     own_runs.py       design "runs": each criterion's own training run, measured at every step
+    real_logits.py    the real model's logits on sampled responses, with bf16 / one-step behaviour
+    tail_fidelity.py  the tail estimators against the exact one by tail-mass bin (real_tails tool)
 
 The driver's opt-in rollout saver that feeds it lives in train/rollout_store.py (the driver
 may not import this package).
