@@ -69,7 +69,7 @@ def test_real_model_smoke(real_model_dir):  # skips (or fails under make test) u
     from megatron_pdm.parallel.vocab_parallel import token_stats
 
     torch.set_num_threads(1)
-    d = str(rl.DEFAULT_MODEL_DIR)
+    d = str(real_model_dir)
     tok = AutoTokenizer.from_pretrained(d)
     model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     eos = int(tok.eos_token_id)
