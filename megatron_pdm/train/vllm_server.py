@@ -160,7 +160,8 @@ class VLLMServer:
                  served_model_name: str = "pdm-policy", extra_args: list[str] | None = None,
                  venv: str | os.PathLike | None = None, seed: int = 0):
         check_bind_host(host)
-        self.model_dir = Path(model_dir)
+        # absolute: the server runs in `workdir`, where a relative path means nothing
+        self.model_dir = Path(model_dir).resolve()
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.host = host
