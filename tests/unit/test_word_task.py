@@ -105,3 +105,22 @@ def test_config_builds_the_task(tokenizer_dir):
     with pytest.raises(ConfigError, match="task.max_operand"):
         RunConfig.load(None, ["task.name=arithmetic", "task.tokenizer_dir=x",
                               "task.max_operand=1"])
+
+
+def test_real_cpu_config():
+    """examples/real_cpu/config.yaml: the real-model RL run's settings hold together."""
+    cfg = RunConfig.load(str(REAL_CONFIG), ["rollout.vllm.url=http://127.0.0.1:8000"])
+    assert cfg.task.name == "arithmetic" and cfg.rollout.engine == "vllm"
+    assert cfg.loss.name == "pdm-agg" and cfg.warmup.steps == 0
+    assert cfg.parallel.tp == 1 and cfg.checkpoint.arch_from_load_dir
+    assert cfg.rollout.sync_at_start  # the served HF weights never produce a rollout
+    make = (ROOT / "Makefile").read_text()
+    assert "demo-real:" in make and "examples/real_cpu/config.yaml" in make
+    with pytest.raises(ConfigError, match="rollout.engine=vllm needs rollout.vllm.url"):
+        RunConfig.load(str(REAL_CONFIG))
+    if (ROOT / cfg.task.tokenizer_dir / "tokenizer.json").exists():
+        from megatron_pdm.train.task import build_task
+
+        task = build_task(cfg)
+        assert task.vocab_size == 49152 and task.max_new_tokens == cfg.rollout.max_new_tokens
+        assert "<|im_start|>assistant\n" in task.tokenizer.decode(task.prompt_ids(0))
