@@ -10,7 +10,7 @@ Layout rules checked (megatron-core's, for a MoE GPT with expert tensor parallel
 - the expert grid fits the dense one: EP*ETP divides TP*CP*DP (expert-DP = TP*CP*DP/(EP*ETP));
   expert FFN width divisible by ETP;
 - MoE with TP > 1 needs sequence parallelism (megatron raises otherwise during training).
-The vocabulary padding (`Qwen3MoeArch.padded_vocab`) is reported; the smallest world for a
+The vocabulary padding (`ModelArch.padded_vocab`) is reported; the smallest world for a
 layout is `arch.min_world_size`.
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatron_pdm.arch import Qwen3MoeArch
+from megatron_pdm.arch import ModelArch
 from megatron_pdm.configtree import ConfigError
 
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -44,7 +44,7 @@ class Layout:
 
 
 def validate_layout(
-    arch: Qwen3MoeArch,
+    arch: ModelArch,
     *,
     world_size: int,
     tp: int,
@@ -54,7 +54,7 @@ def validate_layout(
     etp: int = 1,
     sequence_parallel: bool | None = None,
 ) -> Layout:
-    """Check a layout for `arch` (a Qwen3MoeArch or anything with its fields).
+    """Check a layout for `arch` (a ModelArch or anything with its fields).
 
     Raises ConfigError listing every problem; returns the Layout (with DP derived) otherwise.
     """
@@ -72,7 +72,10 @@ def validate_layout(
     if world_size % (tp * pp * cp):
         problems.append(f"world_size={world_size} is not divisible by TP*PP*CP={tp * pp * cp}")
         dp = 0
-    if arch.num_experts % ep:
+    if not arch.num_experts and (ep > 1 or etp > 1):
+        problems.append(f"EP={ep} / ETP={etp}: a dense model (num_experts=0) has no experts to "
+                        "split (use EP=1, ETP=1)")
+    elif arch.num_experts % ep:
         problems.append(f"num_experts={arch.num_experts} is not divisible by EP={ep}")
     if arch.num_attention_heads % tp:
         problems.append(
@@ -87,7 +90,7 @@ def validate_layout(
             f"EP*ETP={ep * etp} does not divide TP*CP*DP={tp * cp * dp} "
             f"(expert ranks must tile the dense ranks of a pipeline stage)"
         )
-    if arch.moe_ffn_hidden_size % etp:
+    if arch.num_experts and arch.moe_ffn_hidden_size % etp:
         problems.append(
             f"moe_ffn_hidden_size={arch.moe_ffn_hidden_size} is not divisible by ETP={etp}"
         )
@@ -129,11 +132,14 @@ def param_counts(arch, layout: Layout) -> tuple[int, int]:
     nh, g, i = arch.num_attention_heads, arch.num_query_groups, arch.moe_ffn_hidden_size
     layers = arch.num_layers // layout.pp
     attn = ((nh + 2 * g) * d * h + h * nh * d) // layout.tp
-    replicated = 2 * h + 2 * d + e * h  # input/pre-MLP norms, q/k norms, router
+    # input/pre-MLP norms, q/k norms, router; a dense model's MLP instead of the router
+    replicated = 2 * h + (2 * d if arch.qk_layernorm else 0) + e * h
+    mlp = 0 if e else 3 * arch.ffn_hidden_size * h // layout.tp
     vocab = layout.padded_vocab_size * h // layout.tp
-    # PP=1: one stage holds embedding and output; PP>1: first/last stage holds one of them
-    embed = 2 * vocab if layout.pp == 1 else vocab
-    dense = layers * (attn + replicated) + embed + h
+    # PP=1: one stage holds embedding and output (one matrix if tied); PP>1: first/last stage
+    # holds one of them
+    embed = 2 * vocab if layout.pp == 1 and not arch.tie_word_embeddings else vocab
+    dense = layers * (attn + replicated + mlp) + embed + h
     expert = layers * e * 3 * i * h // (layout.ep * layout.etp)
     return dense, expert
 
@@ -182,7 +188,7 @@ def estimate_memory(
     weights = total_params * pbytes
     if fp8:
         h, vocab = arch.hidden_size, layout.padded_vocab_size * arch.hidden_size // layout.tp
-        embed = 2 * vocab if layout.pp == 1 else vocab
+        embed = 2 * vocab if layout.pp == 1 and not arch.tie_word_embeddings else vocab
         weights += (dense - embed - h) + expert  # 1-byte FP8 copy of the linear weights
     grads = total_params * (4 if grads_fp32 else pbytes)
     opt_per_param = 12 if pbytes != 4 else 8
@@ -193,11 +199,11 @@ def estimate_memory(
         optimizer = total_params * opt_per_param
 
     h, d, e = arch.hidden_size, arch.head_dim, arch.num_experts
-    nh, g, i, k = (
+    nh, g, i, k = (  # a dense model: one "expert" of the MLP width, no router
         arch.num_attention_heads,
         arch.num_query_groups,
-        arch.moe_ffn_hidden_size,
-        arch.moe_router_topk,
+        arch.moe_ffn_hidden_size if e else arch.ffn_hidden_size,
+        arch.moe_router_topk if e else 1,
     )
     tokens = micro_batch_size * seq_length // layout.cp
     core = 2 * nh * d if recompute == "selective" else 4 * nh * d
@@ -226,8 +232,9 @@ def format_report(
         f"layout: world={layout.world_size} TP={layout.tp} PP={layout.pp} CP={layout.cp} "
         f"EP={layout.ep} ETP={layout.etp} -> DP={layout.dp}, expert-DP={layout.expert_dp}, "
         f"sequence_parallel={layout.sequence_parallel}",
-        f"model: {arch.num_layers} layers, hidden {arch.hidden_size}, {arch.num_experts} experts "
-        f"top-{arch.moe_router_topk}, vocab {arch.vocab_size}",
+        f"model: {arch.num_layers} layers, hidden {arch.hidden_size}, "
+        + (f"{arch.num_experts} experts top-{arch.moe_router_topk}" if arch.num_experts
+           else f"dense MLP {arch.ffn_hidden_size}") + f", vocab {arch.vocab_size}",
         *[f"note: {n}" for n in layout.notes],
         f"params per GPU: dense {estimate.dense_params / 1e6:.1f} M, "
         f"expert {estimate.expert_params / 1e6:.1f} M",

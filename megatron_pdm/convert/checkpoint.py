@@ -1,4 +1,4 @@
-"""HF Qwen3-MoE -> megatron-core dist checkpoint (torch_dist), and loading it at any layout.
+"""HF Qwen3-MoE / dense Qwen3 / Llama -> megatron-core dist checkpoint (torch_dist), and loading it at any layout.
 
 Import, on every rank of the requested (TP, EP, PP) layout:
 1. build this rank's local GPTModel (`megatron_pdm.mcore.model.build_model`);
@@ -13,13 +13,16 @@ A dist checkpoint describes every tensor by its global shape, so it loads at any
 The output directory is Megatron-LM's `--load` layout (`load_dir.py`): the dist checkpoint in
 `<out>/release/`, the tracker `<out>/latest_checkpointed_iteration.txt` ("release", written last,
 so an interrupted import is never taken for a checkpoint), and beside them `pdm_model.json`
-(the architecture (`Qwen3MoeArch.to_dict`), the source HF expert layout and dtype, the layout used
+(the architecture (`ModelArch.to_dict`), the source HF expert layout and dtype, the layout used
 at import, the key style and the source HF config, so the exporter and the trainer can rebuild
 the model) and `hf_assets/`.
 
 Key styles: megatron's local spec stores the pre-MLP norm as `mlp.linear_fc1.layer_norm_weight`,
 its Transformer Engine MoE spec as `pre_mlp_layernorm.weight`; `rename_for_key_style` maps one onto
 the other so a checkpoint written on CPU with the local spec loads into the TE model on GPUs.
+A dense layer's pre-MLP norm has one key in both specs (`mlp.linear_fc1.layer_norm_weight`: TE
+fuses it into linear_fc1, the local spec maps its separate norm onto that key), so for dense models
+the key style changes nothing.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_pdm.arch import Qwen3MoeArch
+from megatron_pdm.arch import ModelArch
 from megatron_pdm.convert import load_dir as layout_dir
 from megatron_pdm.convert import mapping, sharding
 from megatron_pdm.convert.hf_io import HFReader, read_hf_config
@@ -41,6 +44,7 @@ _PRE_MLP_KEYS = {
     "local": "decoder.layers.mlp.linear_fc1.layer_norm_weight",
     "te": "decoder.layers.pre_mlp_layernorm.weight",
 }
+_DENSE_FC1_KEY = "decoder.layers.mlp.linear_fc1.weight"
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _ST_DTYPES = {"F32": "fp32", "BF16": "bf16", "F16": "fp16"}
 
@@ -59,8 +63,13 @@ def read_meta(megatron_dir) -> dict:
     return json.loads(path.read_text())
 
 
-def arch_from_meta(meta: dict) -> Qwen3MoeArch:
-    return Qwen3MoeArch.from_dict(meta["arch"], path="pdm_model.json arch")
+def pre_mlp_key(arch, key_style: str) -> str:
+    """Dist-checkpoint key of the pre-MLP norm: by key style for MoE, the one key for dense."""
+    return _PRE_MLP_KEYS[key_style if arch.is_moe else "local"]
+
+
+def arch_from_meta(meta: dict) -> ModelArch:
+    return ModelArch.from_dict(meta["arch"], path="pdm_model.json arch")
 
 
 def check_vocab_padding(arch, ckpt_tp: int, tp: int) -> None:
@@ -148,7 +157,8 @@ def fill_from_hf(model, reader: HFReader, arch, expert_layout: str, progress: bo
         if name == "embedding.word_embeddings.weight":
             part = _vocab_rows(reader, "model.embed_tokens.weight", arch, param.shape[0])
         elif name == "output_layer.weight":
-            part = _vocab_rows(reader, "lm_head.weight", arch, param.shape[0])
+            # tied + PP > 1: the last stage's copy of the embedding is read from the embedding
+            part = _vocab_rows(reader, mapping.hf_output_name(arch), arch, param.shape[0])
         else:
             try:
                 part = shard_of(name, mapping.canonical_from_hf(name, reader, arch, expert_layout))
@@ -166,11 +176,15 @@ def fill_from_hf(model, reader: HFReader, arch, expert_layout: str, progress: bo
 
 
 def rename_for_key_style(sharded_sd: dict, from_style: str, to_style: str) -> dict:
-    """Rename the pre-MLP-norm ShardedTensor key between the local and TE spec styles (in place)."""
+    """Rename the pre-MLP-norm ShardedTensor key between the local and TE spec styles (in place).
+
+    A dense model (its state holds the dense `decoder.layers.mlp.linear_fc1.weight`) has the same
+    key in both styles: nothing is renamed."""
     for style in (from_style, to_style):
         if style not in KEY_STYLES:
             raise ValueError(f"key style must be one of {KEY_STYLES}, got {style!r}")
-    if from_style == to_style:
+    keys = {getattr(value, "key", None) for value in sharded_sd.values()}
+    if from_style == to_style or _DENSE_FC1_KEY in keys:
         return sharded_sd
     src, dst = _PRE_MLP_KEYS[from_style], _PRE_MLP_KEYS[to_style]
     for value in sharded_sd.values():
@@ -191,7 +205,7 @@ def import_rank(
     from megatron_pdm.convert.distributed import init_model_parallel, is_rank0
 
     hf_cfg = read_hf_config(hf_dir)
-    arch = Qwen3MoeArch.from_hf_config(hf_cfg)
+    arch = ModelArch.from_hf_config(hf_cfg)
     reader = HFReader(hf_dir)
     expert_layout = mapping.check_hf_tensors(reader, arch)
     src_dtype = _ST_DTYPES.get(reader.dtype("model.embed_tokens.weight"), "fp32")

@@ -1,8 +1,10 @@
-"""megatron-core dist checkpoint -> HF Qwen3-MoE safetensors, streamed one layer at a time.
+"""megatron-core dist checkpoint -> HF safetensors (Qwen3-MoE, dense Qwen3, Llama), streamed one
+layer at a time.
 
 The dist checkpoint stores every tensor by global shape with the layers stacked on a leading axis
 (`decoder.layers.self_attention.linear_qkv.weight [L, (nh+2g)D, H]`, experts additionally on an
-expert axis: `decoder.layers.mlp.experts.experts.linear_fc1.weight [L, E, 2I, H]`). The torch_dist
+expert axis: `decoder.layers.mlp.experts.experts.linear_fc1.weight [L, E, 2I, H]`; a dense MLP's
+`decoder.layers.mlp.linear_fc1.weight [L, 2F, H]` is [gate; up] whatever the TP it was written at). The torch_dist
 format is a torch.distributed.checkpoint directory, so the exporter asks DCP for exactly one
 layer's slice of each key at a time (`_SliceLoadPlanner`, one process, no process group), so
 the layout the checkpoint was written at does not matter, no model is allocated, and host memory
@@ -19,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from megatron_pdm.arch import Qwen3MoeArch
+from megatron_pdm.arch import ModelArch
 from megatron_pdm.convert import mapping
-from megatron_pdm.convert.checkpoint import _DTYPES, _PRE_MLP_KEYS, arch_from_meta, read_meta
+from megatron_pdm.convert.checkpoint import _DTYPES, arch_from_meta, pre_mlp_key, read_meta
 from megatron_pdm.convert.load_dir import meta_dir, weights_dir
 from megatron_pdm.convert.hf_io import ShardedSafetensorsWriter
 
@@ -31,12 +33,12 @@ _EXPERT_KEYS = {
 }
 
 
-def dist_key(rest: str, key_style: str) -> str:
+def dist_key(rest: str, key_style: str, arch) -> str:
     """Dist-checkpoint key of a per-layer canonical suffix (non-expert)."""
     if rest == "input_layernorm.weight":
         return "decoder.layers.self_attention.linear_qkv.layer_norm_weight"
     if rest == "pre_mlp_layernorm.weight":
-        return _PRE_MLP_KEYS[key_style]
+        return pre_mlp_key(arch, key_style)
     return "decoder.layers." + rest
 
 
@@ -116,7 +118,7 @@ def _load_group(
             parts = rest.split(".")
             key, index = _EXPERT_KEYS[parts[4]], (0, int(parts[3]))
         else:
-            key, index = dist_key(rest, key_style), (0,)
+            key, index = dist_key(rest, key_style, arch), (0,)
         if key not in requests:
             shape, dtype = _meta(metadata, key)
             offsets = (layer,) + (0,) * (len(shape) - 1)
@@ -143,7 +145,7 @@ def _check_checkpoint_shapes(metadata: dict, arch, key_style: str) -> None:
                 fc = rest.split(".")[4]
                 want[_EXPERT_KEYS[fc]] = (layers, arch.num_experts, *shape)
             else:
-                want[dist_key(rest, key_style)] = (layers, *shape)
+                want[dist_key(rest, key_style, arch)] = (layers, *shape)
         elif name in ("embedding.word_embeddings.weight", "output_layer.weight"):
             want[name] = None  # padded rows depend on the TP used at import; checked below
         else:
@@ -241,15 +243,15 @@ def _write_config(meta: dict, arch, out: Path, dtype: str) -> None:
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
-def _arch_mismatch(cfg: dict, arch: Qwen3MoeArch) -> bool:
+def _arch_mismatch(cfg: dict, arch: ModelArch) -> bool:
     try:
-        theirs = Qwen3MoeArch.from_hf_config(
+        theirs = ModelArch.from_hf_config(
             cfg, make_vocab_size_divisible_by=arch.make_vocab_size_divisible_by)
     except (ValueError, KeyError):
         return True
     return bool(arch.differences(theirs))
 
 
-def hf_config_from_arch(arch: Qwen3MoeArch) -> dict:
-    """A transformers Qwen3MoeConfig dict for `arch` (`Qwen3MoeArch.to_hf_config`)."""
+def hf_config_from_arch(arch: ModelArch) -> dict:
+    """The transformers config dict of `arch`'s family (`ModelArch.to_hf_config`)."""
     return arch.to_hf_config()

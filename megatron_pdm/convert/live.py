@@ -1,7 +1,7 @@
 """Live export: the trainer's sharded megatron model -> full HF-named tensors on one rank, no disk.
 
 What every weight sync to an inference engine needs (SGLang `update_weights_from_distributed`,
-vLLM's worker reload, the disk path too): the current weights under HF Qwen3-MoE names, whole,
+vLLM's worker reload, the disk path too): the current weights under HF names (any `arch.ModelArch` family), whole,
 on the rank that talks to the engine. This module gathers them from the live model at any
 TP / EP / ETP / PP layout, one `mapping.hf_group_names` group at a time (embeddings, one decoder
 layer, head), so at most one layer's full tensors exist at once, and converts each group with
@@ -13,6 +13,7 @@ is `sharding.RULES`, the table the checkpoint import cuts with):
     columns) is sent by every TP rank of data-parallel rank 0;
   * an expert tensor is sent by every expert-TP rank of expert-data-parallel rank 0 (its EP rank
     decides which global experts it holds);
+  * a tied model's output layer is the embedding: only the embedding is sent;
   * a replicated tensor (norms, router) is sent by TP rank 0 of data-parallel rank 0;
   * pipeline stages hold disjoint layers, so each stage sends its own.
 
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_pdm.arch import Qwen3MoeArch
+from megatron_pdm.arch import ModelArch
 from megatron_pdm.convert import mapping, sharding
 from megatron_pdm.convert.sharding import canonical_local_name
 
@@ -64,7 +65,7 @@ class ShardSpec:
     dtype: str
 
 
-def _local_manifest(module: torch.nn.Module, arch: Qwen3MoeArch
+def _local_manifest(module: torch.nn.Module, arch: ModelArch
                     ) -> dict[str, tuple[torch.Tensor, ShardSpec]]:
     """This rank's contributions: canonical name -> (local tensor, its shard spec)."""
     from megatron.core import parallel_state as ps
@@ -81,9 +82,11 @@ def _local_manifest(module: torch.nn.Module, arch: Qwen3MoeArch
     for local_name, param in module.named_parameters():
         canon = sharding.canonical_name(module, canonical_local_name(local_name),
                                         experts_per_rank=arch.num_experts // ep, ep_rank=ep_rank)
+        if sharding.is_tied_copy(canon, arch):
+            continue  # the last stage's copy of the tied embedding: stage 0 sends the embedding
         if canon not in known:
             raise KeyError(f"live export: parameter {local_name!r} (canonical {canon!r}) is not a "
-                           "Qwen3-MoE tensor this exporter knows")
+                           f"{arch.family} tensor this exporter knows")
         tensor = param.detach()
         rule = sharding.rule_for(canon)  # the same table the checkpoint import cuts with
         if rule.group is None:  # replicated: TP rank 0 of data-parallel rank 0 sends it
@@ -111,7 +114,7 @@ def _assemble(parts: list[tuple[ShardSpec, torch.Tensor]]) -> torch.Tensor:
     return sharding.assemble(spec.split, [t for _, t in parts])
 
 
-def iter_hf_groups(module: torch.nn.Module, arch: Qwen3MoeArch, *, dst: int = 0,
+def iter_hf_groups(module: torch.nn.Module, arch: ModelArch, *, dst: int = 0,
                    dtype: torch.dtype | None = None, expert_layout: str = "per_expert",
                    device: torch.device | str | None = None
                    ) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
@@ -168,7 +171,7 @@ def iter_hf_groups(module: torch.nn.Module, arch: Qwen3MoeArch, *, dst: int = 0,
         del full, hf
 
 
-def gather_hf_state_dict(module: torch.nn.Module, arch: Qwen3MoeArch, *, dst: int = 0,
+def gather_hf_state_dict(module: torch.nn.Module, arch: ModelArch, *, dst: int = 0,
                          dtype: torch.dtype | None = None, expert_layout: str = "per_expert",
                          device: torch.device | str | None = "cpu") -> dict[str, torch.Tensor]:
     """The whole HF state dict on `dst` (empty elsewhere). Collective; small models only."""

@@ -1,4 +1,5 @@
-"""Qwen3-MoE weight names and shapes: Hugging Face <-> megatron-core (pure torch, no megatron).
+"""Weight names and shapes of the `arch.ModelArch` families (Qwen3-MoE, dense Qwen3, Llama):
+Hugging Face <-> megatron-core (pure torch, no megatron).
 
 Both sides are described as *full* (unsharded) tensors. The megatron side uses "canonical
 names": the state-dict names of a TP=1, EP=1, PP=1 megatron GPTModel built with the local spec
@@ -16,6 +17,16 @@ names": the state-dict names of a TP=1, EP=1, PP=1 megatron GPTModel built with 
     decoder.layers.L.mlp.experts.local_experts.e.linear_fc1.weight [2I, H] <- [gate; up] of expert e
     decoder.layers.L.mlp.experts.local_experts.e.linear_fc2.weight [H, I]  <- down of expert e
 
+Dense families (num_experts = 0) have no router and experts but one MLP per layer, and Llama has
+no q/k norms::
+
+    decoder.layers.L.mlp.linear_fc1.weight                  [2F, H]      <- [mlp.gate_proj; up_proj]
+    decoder.layers.L.mlp.linear_fc2.weight                  [H, F]       <- mlp.down_proj
+
+Tied embeddings (`tie_word_embeddings`): HF holds no lm_head and megatron no output_layer (its
+output layer reads the embedding; under PP the last stage's copy of it is filled from
+model.embed_tokens), so neither name exists on either side.
+
 Why each transform:
 - QKV: megatron's fused projection is interleaved per query group: for group g the rows are
   [q heads of g (nh/g * D rows), k_g (D rows), v_g (D rows)]. This keeps a TP shard (a contiguous
@@ -26,7 +37,7 @@ Why each transform:
 - HF experts come in two layouts. transformers 5.x stores them fused
   (`mlp.experts.gate_up_proj [E, 2I, H]` with gate first, `mlp.experts.down_proj [E, H, I]`);
   hub checkpoints (and SGLang) use per-expert `mlp.experts.e.{gate,up,down}_proj.weight`.
-  Both are read; either can be written.
+  Both are read; either can be written. A dense model has no experts: its layout is moot.
 
 Grouped-GEMM layouts of megatron's experts (TEGroupedMLP: `experts.linear_fc1.weight{j}`; legacy
 GroupedMLP: `experts.weight1 [H, E_local*2I]` whose memory GroupedMLP views as [E_local, H, 2I],
@@ -49,7 +60,8 @@ from megatron_pdm.convert.hf_io import HFReader
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
 
-# canonical per-layer suffix -> HF per-layer suffix for the one-to-one tensors
+# canonical per-layer suffix -> HF per-layer suffix for the one-to-one tensors (all families;
+# `_layer_direct` keeps the ones an architecture has)
 _LAYER_DIRECT = {
     "input_layernorm.weight": "input_layernorm.weight",
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
@@ -57,8 +69,23 @@ _LAYER_DIRECT = {
     "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
     "mlp.router.weight": "mlp.gate.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
 }
+_QK_NORMS = ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight")
+DENSE_FC1 = "mlp.linear_fc1.weight"  # canonical suffix of a dense layer's [gate; up]
 EXPERT_LAYOUTS = ("fused", "per_expert")
+
+
+def _layer_direct(arch) -> dict[str, str]:
+    """The one-to-one per-layer tensors of `arch` (q/k norms, router / dense fc2 by family)."""
+    drop = set() if arch.qk_layernorm else set(_QK_NORMS)
+    drop.add("mlp.linear_fc2.weight" if arch.is_moe else "mlp.router.weight")
+    return {k: v for k, v in _LAYER_DIRECT.items() if k not in drop}
+
+
+def hf_output_name(arch) -> str:
+    """The HF tensor megatron's output layer is read from: lm_head, or the embedding if tied."""
+    return "model.embed_tokens.weight" if arch.tie_word_embeddings else "lm_head.weight"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -67,16 +94,15 @@ EXPERT_LAYOUTS = ("fused", "per_expert")
 
 
 def hf_shapes(arch, expert_layout: str) -> dict[str, tuple[int, ...]]:
-    """Every tensor a Qwen3-MoE HF checkpoint of `arch` must hold, with its shape."""
+    """Every tensor an HF checkpoint of `arch` must hold, with its shape."""
     if expert_layout not in EXPERT_LAYOUTS:
         raise ValueError(f"expert_layout must be one of {EXPERT_LAYOUTS}, got {expert_layout!r}")
     H, D, E, I = arch.hidden_size, arch.head_dim, arch.num_experts, arch.moe_ffn_hidden_size
     nh, g = arch.num_attention_heads, arch.num_query_groups
-    shapes = {
-        "model.embed_tokens.weight": (arch.vocab_size, H),
-        "lm_head.weight": (arch.vocab_size, H),
-        "model.norm.weight": (H,),
-    }
+    shapes = {"model.embed_tokens.weight": (arch.vocab_size, H)}
+    if not arch.tie_word_embeddings:
+        shapes["lm_head.weight"] = (arch.vocab_size, H)
+    shapes["model.norm.weight"] = (H,)
     for layer in range(arch.num_layers):
         p = f"model.layers.{layer}."
         shapes.update(
@@ -87,11 +113,16 @@ def hf_shapes(arch, expert_layout: str) -> dict[str, tuple[int, ...]]:
                 p + "self_attn.k_proj.weight": (g * D, H),
                 p + "self_attn.v_proj.weight": (g * D, H),
                 p + "self_attn.o_proj.weight": (H, nh * D),
-                p + "self_attn.q_norm.weight": (D,),
-                p + "self_attn.k_norm.weight": (D,),
-                p + "mlp.gate.weight": (E, H),
             }
         )
+        if arch.qk_layernorm:
+            shapes.update({p + "self_attn.q_norm.weight": (D,), p + "self_attn.k_norm.weight": (D,)})
+        if not arch.is_moe:
+            F = arch.ffn_hidden_size
+            shapes.update({p + "mlp.gate_proj.weight": (F, H), p + "mlp.up_proj.weight": (F, H),
+                           p + "mlp.down_proj.weight": (H, F)})
+            continue
+        shapes[p + "mlp.gate.weight"] = (E, H)
         if expert_layout == "fused":
             shapes[p + "mlp.experts.gate_up_proj"] = (E, 2 * I, H)
             shapes[p + "mlp.experts.down_proj"] = (E, H, I)
@@ -109,11 +140,10 @@ def canonical_shapes(arch) -> dict[str, tuple[int, ...]]:
     H, D, E, I = arch.hidden_size, arch.head_dim, arch.num_experts, arch.moe_ffn_hidden_size
     nh, g = arch.num_attention_heads, arch.num_query_groups
     vp = arch.padded_vocab(1)
-    shapes = {
-        "embedding.word_embeddings.weight": (vp, H),
-        "output_layer.weight": (vp, H),
-        "decoder.final_layernorm.weight": (H,),
-    }
+    shapes = {"embedding.word_embeddings.weight": (vp, H)}
+    if not arch.tie_word_embeddings:
+        shapes["output_layer.weight"] = (vp, H)
+    shapes["decoder.final_layernorm.weight"] = (H,)
     for layer in range(arch.num_layers):
         p = f"decoder.layers.{layer}."
         shapes.update(
@@ -121,12 +151,16 @@ def canonical_shapes(arch) -> dict[str, tuple[int, ...]]:
                 p + "input_layernorm.weight": (H,),
                 p + "self_attention.linear_qkv.weight": ((nh + 2 * g) * D, H),
                 p + "self_attention.linear_proj.weight": (H, nh * D),
-                p + "self_attention.q_layernorm.weight": (D,),
-                p + "self_attention.k_layernorm.weight": (D,),
                 p + "pre_mlp_layernorm.weight": (H,),
-                p + "mlp.router.weight": (E, H),
             }
         )
+        if arch.qk_layernorm:
+            shapes.update({p + name: (D,) for name in _QK_NORMS})
+        if not arch.is_moe:
+            F = arch.ffn_hidden_size
+            shapes.update({p + DENSE_FC1: (2 * F, H), p + "mlp.linear_fc2.weight": (H, F)})
+            continue
+        shapes[p + "mlp.router.weight"] = (E, H)
         for e in range(E):
             q = f"{p}mlp.experts.local_experts.{e}."
             shapes[q + "linear_fc1.weight"] = (2 * I, H)
@@ -150,9 +184,10 @@ def detect_expert_layout(names) -> str:
 def check_hf_tensors(reader: HFReader, arch) -> str:
     """Raise ValueError naming every missing, unexpected or mis-shaped HF tensor.
 
-    Returns the detected expert layout. Reads only the safetensors headers.
+    Returns the detected expert layout ("per_expert" for a dense model, where it is moot).
+    Reads only the safetensors headers.
     """
-    layout = detect_expert_layout(reader.keys())
+    layout = detect_expert_layout(reader.keys()) if arch.is_moe else "per_expert"
     want = hf_shapes(arch, layout)
     have = {name: reader.shape(name) for name in reader.keys()}
     problems = []
@@ -205,22 +240,26 @@ def canonical_from_hf(name: str, reader: HFReader, arch, expert_layout: str) -> 
     """The full megatron tensor `name` (canonical name), read lazily from the HF checkpoint."""
     if name == "embedding.word_embeddings.weight":
         return pad_vocab_rows(reader.get("model.embed_tokens.weight"), arch.padded_vocab(1))
-    if name == "output_layer.weight":
-        return pad_vocab_rows(reader.get("lm_head.weight"), arch.padded_vocab(1))
+    if name == "output_layer.weight":  # tied: the last PP stage's copy of the embedding
+        return pad_vocab_rows(reader.get(hf_output_name(arch)), arch.padded_vocab(1))
     if name == "decoder.final_layernorm.weight":
         return reader.get("model.norm.weight")
     m = _LAYER_RE.match(name)
     if m is None:
-        raise KeyError(f"not a Qwen3-MoE megatron tensor: {name}")
+        raise KeyError(f"not a {arch.family} megatron tensor: {name}")
     layer, rest = int(m.group(1)), m.group(2)
     p = f"model.layers.{layer}."
-    if rest in _LAYER_DIRECT:
-        return reader.get(p + _LAYER_DIRECT[rest])
+    direct = _layer_direct(arch)
+    if rest in direct:
+        return reader.get(p + direct[rest])
     if rest == "self_attention.linear_qkv.weight":
         return fuse_qkv(*(reader.get(p + f"self_attn.{x}_proj.weight") for x in "qkv"), arch)
-    e_m = _EXPERT_RE.match(rest)
+    if rest == DENSE_FC1 and not arch.is_moe:
+        return torch.cat([reader.get(p + "mlp.gate_proj.weight"),
+                          reader.get(p + "mlp.up_proj.weight")], 0)
+    e_m = _EXPERT_RE.match(rest) if arch.is_moe else None
     if e_m is None:
-        raise KeyError(f"not a Qwen3-MoE megatron tensor: {name}")
+        raise KeyError(f"not a {arch.family} megatron tensor: {name}")
     e, which = int(e_m.group(1)), e_m.group(2)
     if expert_layout == "fused":
         hf_name = p + (
@@ -238,14 +277,17 @@ def hf_group_names(arch) -> Iterator[tuple[str, list[str]]]:
     yield "embeddings", ["embedding.word_embeddings.weight"]
     for layer in range(arch.num_layers):
         p = f"decoder.layers.{layer}."
-        names = [p + rest for rest in _LAYER_DIRECT] + [p + "self_attention.linear_qkv.weight"]
+        names = [p + rest for rest in _layer_direct(arch)]
+        names += [p + "self_attention.linear_qkv.weight"]
+        names += [p + DENSE_FC1] if not arch.is_moe else []
         names += [
             f"{p}mlp.experts.local_experts.{e}.{fc}.weight"
             for e in range(arch.num_experts)
             for fc in ("linear_fc1", "linear_fc2")
         ]
         yield f"layer {layer}", names
-    yield "head", ["decoder.final_layernorm.weight", "output_layer.weight"]
+    yield "head", ["decoder.final_layernorm.weight"] + (
+        [] if arch.tie_word_embeddings else ["output_layer.weight"])
 
 
 def hf_from_canonical(
@@ -258,19 +300,25 @@ def hf_from_canonical(
         if name == "embedding.word_embeddings.weight":
             out["model.embed_tokens.weight"] = t[: arch.vocab_size]
         elif name == "output_layer.weight":
+            if arch.tie_word_embeddings:
+                raise KeyError("output_layer.weight of a tied model: HF has no lm_head (the "
+                               "embedding is exported once)")
             out["lm_head.weight"] = t[: arch.vocab_size]
         elif name == "decoder.final_layernorm.weight":
             out["model.norm.weight"] = t
         else:
             m = _LAYER_RE.match(name)
             if m is None:
-                raise KeyError(f"not a Qwen3-MoE megatron tensor: {name}")
+                raise KeyError(f"not a {arch.family} megatron tensor: {name}")
             by_layer.setdefault(int(m.group(1)), {})[m.group(2)] = t
     for layer, rest in by_layer.items():
         p = f"model.layers.{layer}."
-        for src, dst in _LAYER_DIRECT.items():
+        for src, dst in _layer_direct(arch).items():
             if src in rest:
                 out[p + dst] = rest.pop(src)
+        if DENSE_FC1 in rest and not arch.is_moe:
+            gate, up = rest.pop(DENSE_FC1).chunk(2, dim=0)
+            out.update({p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up})
         if "self_attention.linear_qkv.weight" in rest:
             q_w, k_w, v_w = split_qkv(rest.pop("self_attention.linear_qkv.weight"), arch)
             out.update(
@@ -280,6 +328,9 @@ def hf_from_canonical(
                     p + "self_attn.v_proj.weight": v_w,
                 }
             )
+        unknown = [k for k in rest if not _EXPERT_RE.match(k) or not arch.is_moe]
+        if unknown:
+            raise KeyError(f"not {arch.family} megatron tensors of layer {layer}: {unknown}")
         fc1 = {
             int(_EXPERT_RE.match(k).group(1)): v
             for k, v in rest.items()

@@ -1,4 +1,5 @@
-"""Megatron's naming and tensor-parallel sharding rules for the Qwen3-MoE tensors, in one table.
+"""Megatron's naming and tensor-parallel sharding rules for every `arch.ModelArch` family (Qwen3-MoE,
+dense Qwen3, Llama), in one table.
 
 Checkpoint import cuts a rank's part out of a full tensor (`shard`); the live export and the
 weight sync to the inference engines glue the parts of all ranks back together (`assemble`).
@@ -8,13 +9,20 @@ the canonical name (global layer, global expert; `mapping.py` documents canonica
 
     pattern (canonical megatron name)           HF source (mapping.py)     split    over
     embedding.word_embeddings.weight            model.embed_tokens         vocab    TP   dim 0, rows padded
-    output_layer.weight                         lm_head                    vocab    TP   dim 0, rows padded
+    output_layer.weight                         lm_head (tied: the         vocab    TP   dim 0, rows padded
+                                                embedding, see below)
     *.self_attention.linear_qkv.weight          q/k/v_proj (per-group      dim0     TP   (column parallel)
                                                 fused, see mapping.fuse_qkv)
     *.self_attention.linear_proj.weight         o_proj                     dim1     TP   (row parallel)
+    *.mlp.linear_fc1 (dense)                    [gate_proj; up_proj]       fc1      TP   rank r: [gate_r; up_r]
+    *.mlp.linear_fc2 (dense)                    down_proj                  dim1     TP   (row parallel)
     *.mlp.experts.local_experts.E.linear_fc1    [gate; up] of expert E     fc1      ETP  rank r: [gate_r; up_r]
     *.mlp.experts.local_experts.E.linear_fc2    down of expert E           dim1     ETP  (row parallel)
     everything else (norms, router)             one-to-one                 None     -    replicated
+
+Tied embeddings: with PP > 1 the last stage holds `output_layer.weight`, megatron's copy of the
+embedding (kept equal to it through the embedding group); it is filled from the embedding on import
+and never exported or synced (`is_tied_copy`): stage 0 sends the embedding itself.
 
 Experts are further split over EP by whole experts: EP rank k holds global experts
 [k * E/EP, (k+1) * E/EP); `canonical_name` turns the local index into the global one.
@@ -31,8 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["RULES", "Rule", "assemble", "canonical_local_name", "canonical_name", "rule_for",
-           "shard"]
+__all__ = ["RULES", "Rule", "assemble", "canonical_local_name", "canonical_name", "is_tied_copy",
+           "rule_for", "shard"]
 
 VOCAB_NAMES = ("embedding.word_embeddings.weight", "output_layer.weight")
 
@@ -60,7 +68,9 @@ RULES: tuple[Rule, ...] = (
     Rule("output_layer.weight", "dim0", "tp", vocab_padded=True),
     Rule("self_attention.linear_qkv.weight", "dim0", "tp"),
     Rule("self_attention.linear_proj.weight", "dim1", "tp"),
-    Rule("linear_fc1.weight", "fc1", "etp"),  # only experts have fc1/fc2 in Qwen3-MoE
+    Rule("mlp.linear_fc1.weight", "fc1", "tp"),  # dense MLP (an expert's ends local_experts.e.*)
+    Rule("mlp.linear_fc2.weight", "dim1", "tp"),
+    Rule("linear_fc1.weight", "fc1", "etp"),  # experts
     Rule("linear_fc2.weight", "dim1", "etp"),
 )
 _REPLICATED = Rule("", None, None)
@@ -72,6 +82,11 @@ def rule_for(canonical: str) -> Rule:
         if canonical.endswith(rule.suffix):
             return rule
     return _REPLICATED
+
+
+def is_tied_copy(canonical: str, arch) -> bool:
+    """The last PP stage's copy of a tied embedding (no tensor of its own on either side)."""
+    return canonical == "output_layer.weight" and arch.tie_word_embeddings
 
 
 def shard(full: torch.Tensor, split: str | None, index: int, count: int) -> torch.Tensor:
@@ -109,6 +124,8 @@ _TE_EXPERT_RE = re.compile(r"^(.*\.mlp\.experts\.)(linear_fc[12])\.weight(\d+)$"
 _TE_RENAMES = {
     # TE fuses the input norm into the QKV linear; the local spec has a separate norm.
     ".self_attention.linear_qkv.layer_norm_weight": ".input_layernorm.weight",
+    # dense layers: TE fuses the pre-MLP norm into linear_fc1 likewise
+    ".mlp.linear_fc1.layer_norm_weight": ".pre_mlp_layernorm.weight",
 }
 
 
@@ -117,7 +134,7 @@ def canonical_local_name(name: str) -> str:
 
     TE's grouped experts `mlp.experts.linear_fc1.weight{j}` become
     `mlp.experts.local_experts.{j}.linear_fc1.weight`; TE's QKV-fused input norm becomes
-    `input_layernorm.weight`. Local-spec names pass through.
+    `input_layernorm.weight`, its fc1-fused pre-MLP norm (dense) `pre_mlp_layernorm.weight`. Local-spec names pass through.
     """
     m = _TE_EXPERT_RE.match(name)
     if m is not None:

@@ -1,4 +1,5 @@
-"""A Qwen3-MoE-shaped megatron-core GPTModel from the architecture dataclass (`arch.py`).
+"""A megatron-core GPTModel from the architecture dataclass (`arch.py`): Qwen3-MoE, dense Qwen3,
+Llama.
 
 Qwen3-MoE (e.g. Qwen3-30B-A3B) in megatron-core terms:
 - pre-norm decoder, RMSNorm (eps 1e-6), no biases anywhere;
@@ -10,6 +11,13 @@ Qwen3-MoE (e.g. Qwen3-30B-A3B) in megatron-core terms:
   computes the same thing), SwiGLU experts (`gated_linear_unit`, silu), no shared expert;
 - untied input embedding and output layer; the output vocabulary is padded by megatron to a
   multiple of `make_vocab_size_divisible_by * TP` (the padding ids are masked by our loss op).
+
+The dense families differ only in: an MLP per layer (SwiGLU, `ffn_hidden_size`) instead of the
+MoE block; q/k norms on (Qwen3) or off (Llama); tied embeddings optional
+(`share_embeddings_and_output_weights`): with PP = 1 the output layer reads the embedding weight
+itself; with PP > 1 the last stage holds a copy that megatron initialises from the first stage by
+an all-reduce over parallel_state's embedding group (created by `initialize_model_parallel`) and
+keeps equal by all-reducing the two copies' gradients over that group in `finalize_model_grads`.
 
 Two layer specs:
 - local (pure megatron-core modules, works on CPU and without TE/apex). Norms are our own
@@ -33,7 +41,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_pdm.arch import Qwen3MoeArch
+from megatron_pdm.arch import ModelArch
 
 
 class TorchRMSNorm:
@@ -51,7 +59,7 @@ class TorchRMSNorm:
 
 
 def transformer_config(
-    arch: Qwen3MoeArch,
+    arch: ModelArch,
     *,
     tp: int = 1,
     pp: int = 1,
@@ -69,7 +77,8 @@ def transformer_config(
 
     `overrides` are further TransformerConfig fields (they win over the derived ones).
 
-    Sequence parallelism defaults to on whenever TP > 1 (megatron requires it for MoE with TP).
+    Sequence parallelism defaults to on whenever TP > 1 (megatron requires it for MoE with TP;
+    dense models keep the same default so both families shard activations alike).
     `use_cpu_initialization` defaults to "no GPU": with a GPU the weights are created on the
     rank's device. Expert tensor parallelism is 1 (the layout used for Qwen3-30B-A3B in practice, and the only one
     gloo supports with the alltoall dispatcher).
@@ -86,10 +95,10 @@ def transformer_config(
         num_attention_heads=arch.num_attention_heads,
         num_query_groups=arch.num_query_groups,
         kv_channels=arch.head_dim,
-        ffn_hidden_size=arch.moe_ffn_hidden_size,
+        ffn_hidden_size=arch.mlp_width,
         normalization="RMSNorm",
         layernorm_epsilon=arch.norm_epsilon,
-        qk_layernorm=True,
+        qk_layernorm=arch.qk_layernorm,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
@@ -101,14 +110,7 @@ def transformer_config(
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
-        num_moe_experts=arch.num_experts,
-        moe_router_topk=arch.moe_router_topk,
-        moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
-        moe_router_load_balancing_type="aux_loss" if arch.moe_aux_loss_coeff > 0 else "none",
-        moe_aux_loss_coeff=arch.moe_aux_loss_coeff,
-        moe_router_dtype="fp32",
-        moe_token_dispatcher_type=moe_token_dispatcher_type,
-        moe_grouped_gemm=False,
+        **(_moe_kwargs(arch, moe_token_dispatcher_type) if arch.is_moe else {}),
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep,
@@ -126,8 +128,23 @@ def transformer_config(
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(arch: Qwen3MoeArch, *, use_te: bool = False) -> TransformerBlockSubmodules:
-    """Block spec: `num_layers` identical MoE layers plus the final norm."""
+def _moe_kwargs(arch: ModelArch, dispatcher: str) -> dict:
+    """TransformerConfig fields of the MoE block (absent for a dense model)."""
+    return dict(
+        num_moe_experts=arch.num_experts,
+        moe_router_topk=arch.moe_router_topk,
+        moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+        moe_router_load_balancing_type="aux_loss" if arch.moe_aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=arch.moe_aux_loss_coeff,
+        moe_router_dtype="fp32",
+        moe_token_dispatcher_type=dispatcher,
+        moe_grouped_gemm=False,
+    )
+
+
+def layer_spec(arch: ModelArch, *, use_te: bool = False) -> TransformerBlockSubmodules:
+    """Block spec: `num_layers` identical MoE or dense layers plus the final norm."""
+    num_experts = arch.num_experts or None  # megatron: None = dense MLP
     if use_te:
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
@@ -135,21 +152,23 @@ def layer_spec(arch: Qwen3MoeArch, *, use_te: bool = False) -> TransformerBlockS
         from megatron.core.extensions.transformer_engine import TENorm
 
         spec = get_gpt_layer_with_transformer_engine_spec(
-            num_experts=arch.num_experts, moe_grouped_gemm=True, qk_layernorm=True
+            num_experts=num_experts, moe_grouped_gemm=True, qk_layernorm=arch.qk_layernorm
         )
         final_norm = TENorm
     else:
         spec = copy.deepcopy(
             get_gpt_layer_local_spec(
-                num_experts=arch.num_experts, moe_grouped_gemm=False, qk_layernorm=True,
+                num_experts=num_experts, moe_grouped_gemm=False,
+                qk_layernorm=arch.qk_layernorm,
                 normalization="RMSNorm",
             )
         )
         sub = spec.submodules
         sub.input_layernorm = TorchRMSNorm
         sub.pre_mlp_layernorm = TorchRMSNorm
-        sub.self_attention.submodules.q_layernorm = TorchRMSNorm
-        sub.self_attention.submodules.k_layernorm = TorchRMSNorm
+        if arch.qk_layernorm:
+            sub.self_attention.submodules.q_layernorm = TorchRMSNorm
+            sub.self_attention.submodules.k_layernorm = TorchRMSNorm
         final_norm = TorchRMSNorm
     return TransformerBlockSubmodules(layer_specs=[spec] * arch.num_layers, layer_norm=final_norm)
 
@@ -164,7 +183,7 @@ def _local_layer_count(config: TransformerConfig, pp_rank: int) -> int:
 
 
 def build_model(
-    arch: Qwen3MoeArch,
+    arch: ModelArch,
     config: TransformerConfig,
     *,
     pre_process: bool = True,
@@ -187,7 +206,7 @@ def build_model(
         pre_process=pre_process,
         post_process=post_process,
         parallel_output=parallel_output,
-        share_embeddings_and_output_weights=False,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=int(arch.rotary_base),
         vp_stage=vp_stage,

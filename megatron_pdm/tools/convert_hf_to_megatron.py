@@ -1,4 +1,4 @@
-"""Convert an HF Qwen3-MoE checkpoint into a megatron-core dist checkpoint at a TP/EP/PP layout.
+"""Convert an HF Qwen3-MoE, dense Qwen3 or Llama checkpoint into a megatron-core dist checkpoint at a TP/EP/PP layout.
 
     megatron-pdm-convert-hf-to-megatron --hf-dir HF --out MCORE --tp 2 --ep 2 [--pp 1]
     (= python -m megatron_pdm.tools.convert_hf_to_megatron ...)
@@ -38,11 +38,11 @@ def convert_hf_to_megatron(
     from megatron_pdm.convert.distributed import launch
     from megatron_pdm.convert.hf_io import HFReader, read_hf_config
     from megatron_pdm.layout import validate_layout
-    from megatron_pdm.arch import Qwen3MoeArch, min_world_size
+    from megatron_pdm.arch import ModelArch, min_world_size
 
     start = time.perf_counter()
     # refuse a bad checkpoint or layout here (headers only) before spawning any rank
-    arch = Qwen3MoeArch.from_hf_config(read_hf_config(hf_dir))
+    arch = ModelArch.from_hf_config(read_hf_config(hf_dir))
     mapping.check_hf_tensors(HFReader(hf_dir), arch)
     world = min_world_size(tp=tp, ep=ep, pp=pp)
     validate_layout(arch, world_size=world, tp=tp, pp=pp, ep=ep)

@@ -6,7 +6,7 @@ are converted by field type, an unknown key anywhere is a `ConfigError` listing 
 its section, and every section checks its own values (Literal fields, ranges) in `__post_init__`;
 rules that span sections live in `RunConfig.__post_init__`.
 
-Two sections are the library's own types: `model` is `megatron_pdm.arch.Qwen3MoeArch` (the same
+Two sections are the library's own types: `model` is `megatron_pdm.arch.ModelArch` (the same
 dataclass the converter writes to `pdm_model.json`) and `loss` is
 `megatron_pdm.config.PolicyLossConfig` (`loss.preset` picks a preset, every other `loss.*` key
 overrides a field of it). Only our knobs live here; megatron's own settings are derived from
@@ -22,7 +22,7 @@ from typing import Literal
 
 import yaml
 
-from megatron_pdm.arch import Qwen3MoeArch
+from megatron_pdm.arch import ModelArch
 from megatron_pdm.config import PolicyLossConfig
 from megatron_pdm.configtree import (
     ConfigError,
@@ -475,7 +475,7 @@ class RunConfig:
     seed: int = 1234
     output_dir: str = "runs/tiny_cpu"
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    model: Qwen3MoeArch = field(default_factory=Qwen3MoeArch)
+    model: ModelArch = field(default_factory=ModelArch)
     task: TaskConfig = field(default_factory=TaskConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     warmup: WarmupConfig = field(default_factory=WarmupConfig)

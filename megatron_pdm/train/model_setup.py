@@ -1,6 +1,6 @@
 """Run config -> architecture, megatron TransformerConfig settings, initial weights.
 
-- `resolve_arch`: the `Qwen3MoeArch` of the run. Without `checkpoint.load_dir` it is the `model`
+- `resolve_arch`: the `ModelArch` of the run. Without `checkpoint.load_dir` it is the `model`
   section (vocabulary: `model.vocab_size` or the task tokenizer's). With `load_dir` it is the
   checkpoint's `pdm_model.json` arch: `checkpoint.arch_from_load_dir: true` takes it as is,
   otherwise every weight-shaping field of the `model` section must agree with it
@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from megatron_pdm.arch import Qwen3MoeArch
+from megatron_pdm.arch import ModelArch
 from megatron_pdm.configtree import ConfigError
 from megatron_pdm.train.config import RunConfig
 
@@ -42,11 +42,11 @@ def read_checkpoint_meta(load_dir: str) -> dict:
     return read_meta(load_dir)
 
 
-def resolve_arch(cfg: RunConfig, task_vocab: int, *, meta: dict | None = None) -> Qwen3MoeArch:
-    """The run's Qwen3MoeArch (see module docstring). `meta`: pdm_model.json, if loading."""
+def resolve_arch(cfg: RunConfig, task_vocab: int, *, meta: dict | None = None) -> ModelArch:
+    """The run's ModelArch (see module docstring). `meta`: pdm_model.json, if loading."""
     model = cfg.model
     if meta is not None:
-        ckpt = Qwen3MoeArch.from_dict(meta["arch"],
+        ckpt = ModelArch.from_dict(meta["arch"],
                                       path=f"{cfg.checkpoint.load_dir}/pdm_model.json")
         if cfg.checkpoint.arch_from_load_dir:
             # the non-weight fields (init scale, aux-loss coefficient) still come from the config
@@ -149,7 +149,7 @@ def load_initial_weights(module: torch.nn.Module, load_dir: str, meta: dict, *, 
     from megatron_pdm.convert.checkpoint import check_vocab_padding, rename_for_key_style
     from megatron_pdm.convert.load_dir import weights_dir
 
-    arch = Qwen3MoeArch.from_dict(meta["arch"])
+    arch = ModelArch.from_dict(meta["arch"])
     check_vocab_padding(arch, meta["layout_at_import"]["tp"], tp)
     from megatron_pdm.mcore.fp8 import drop_extra_state
 

@@ -80,14 +80,14 @@ def check_servable(arch) -> None:
     if arch.head_dim < 32:
         raise ConfigError(f"model.head_dim={arch.head_dim}: vLLM's CPU attention needs "
                           "head_dim >= 32")
-    if arch.moe_ffn_hidden_size % 32:
+    if arch.num_experts and arch.moe_ffn_hidden_size % 32:
         raise ConfigError(f"model.moe_ffn_hidden_size={arch.moe_ffn_hidden_size}: vLLM's CPU MoE "
                           "kernel pads it to a multiple of 32, and a padded layer cannot be "
                           "reloaded in place (weight sync)")
 
 
 def run_arch(cfg):
-    """The run's `Qwen3MoeArch` with the vocabulary resolved (task tokenizer or checkpoint)."""
+    """The run's `ModelArch` with the vocabulary resolved (task tokenizer or checkpoint)."""
     from megatron_pdm.train import model_setup as ms
     from megatron_pdm.train.task import build_task
 
