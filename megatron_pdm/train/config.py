@@ -174,6 +174,11 @@ class VLLMRolloutConfig:
     allow_insecure_dev_routes: bool = False
     """Accept a non-loopback server whose dev routes (/collective_rpc runs worker methods)
     answer without the API key. Refused by default (docs/engines.md, vLLM)."""
+    push_dir: str | None = None
+    """Weight pushes through a safetensors file in this directory (the server must read it: a
+    server on the same machine; /dev/shm keeps it in memory) instead of base64 in the request
+    body, which vLLM's HTTP server dropped for a 270 MB push (docs/real-model.md). Digest-checked
+    the same way. None: in the body."""
     restart_wait_s: float = 0.0
     """After a connection failure, wait up to this long for the server to come back (a
     supervisor restarting it); a restarted server gets the last weights again and the lost
