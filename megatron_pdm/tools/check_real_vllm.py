@@ -2,7 +2,7 @@
 
     python -m megatron_pdm.tools.check_real_vllm [--model-dir D] [--prompts 8] [--samples 4]
         [--max-new-tokens 48] [--top-logprobs 8] [--temperatures 1.0 0.7] [--dtype float32]
-        [--url URL] [--out report.json]
+        [--url URL] [--perturb 0.01] [--out report.json]
 
 1. Starts a CPU vLLM server on the HF directory (`train.vllm_server.VLLMServer`: 127.0.0.1, a
    random API key, own process group, stopped at the end), or uses `--url` (key in
@@ -13,6 +13,10 @@
 3. transformers (`AutoModelForCausalLM`, float32, eager) scores the same prompt + response tokens;
    `train.logprob_check.LogprobAgreement` gives max/mean |transformers - vLLM| of the sampled
    token and of every top-K entry, and how often the top-K id sets agree, per temperature.
+With `--perturb S` every weight first gets N(0, S * its std) noise, in the transformers model and
+pushed to vLLM in memory (`VLLMEngine.update_weights` through a /dev/shm file, digest-checked):
+the check then covers an in-place reload, as after a training step (the tied output layer
+included, rollout_bridge/vllm/worker_ext.py `retie_output_layer`).
 The report also names the dtype the server reports (`--dtype` is passed to vLLM; vLLM's CPU
 backend runs what it is given) and the reward of the samples (the task's final-number rule).
 """
@@ -41,6 +45,19 @@ def score_with_transformers(model, packed, check, rows_per_chunk: int = 4) -> No
         with torch.no_grad():
             logits_bsv = model(input_ids=rows.tokens, position_ids=rows.position_ids).logits
         check.add(logits_bsv.float(), rows)
+
+
+def perturb_and_push(model, engine, scale: float, seed: int) -> dict:
+    """Adds N(0, scale * std) to every weight of `model` and pushes the HF state to vLLM."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * (scale * float(p.float().std())))
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)  # tied: the checkpoint has the embedding only
+    engine.update_weights(state, "perturbed")
+    return engine.last_push_info
 
 
 def run_check(engine, model, task, *, prompts: int, samples: int, temperatures, seed: int = 0
@@ -86,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--url", default=None, help="an already running server")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--perturb", type=float, default=0.0,
+                        help="push weights with this relative noise first (an in-place reload)")
     parser.add_argument("--out", default=None, help="write the JSON report here too")
     args = parser.parse_args(argv)
 
@@ -116,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
             report["server_start_s"] = server.wait_ready(900)
             url = server.url
         engine = VLLMEngine(url, top_logprobs=args.top_logprobs, api_key=key,
-                            vocab_size=task.vocab_size, timeout_s=1800, seed=args.seed)
+                            vocab_size=task.vocab_size, timeout_s=1800, seed=args.seed,
+                            push_dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         info = engine.check_server()
         facts = info["facts"][0]
         report.update(vllm_version=facts.get("vllm_version"), vllm_dtype=facts.get("dtype"),
@@ -124,6 +144,12 @@ def main(argv: list[str] | None = None) -> int:
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
                                                      attn_implementation="eager").eval()
         report["transformers_dtype"] = str(next(model.parameters()).dtype)
+        if args.perturb:
+            push = perturb_and_push(model, engine, args.perturb, args.seed)
+            report["push"] = {"perturb": args.perturb, "bytes": push.get("bytes"),
+                              "push_s": push.get("push_s"),
+                              "lm_head_retied": [w.get("lm_head_retied")
+                                                 for w in push.get("worker", [])]}
         report["checks"] = run_check(engine, model, task, prompts=args.prompts,
                                      samples=args.samples, temperatures=args.temperatures,
                                      seed=args.seed)
