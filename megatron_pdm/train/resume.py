@@ -8,17 +8,32 @@ and the run identity a checkpoint cannot be loaded across (docs/checkpoints.md).
   `checkpoint.allow_fresh_start=true`; then the old run's output directory is moved aside to
   `<output_dir>.old-<k>` (nothing is deleted) and the new run starts in an empty one.
 * Identity: the task section, the model architecture and the optimizer layout must equal the
-  checkpoint's; the error names every differing key.
+  checkpoint's; the error names every differing key. Model fields added later (the dense
+  families' `LATER_MODEL_FIELDS`) absent from an older manifest read as their defaults (the
+  Qwen3-MoE shape every older checkpoint has).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import uuid
 
 from megatron_pdm.configtree import ConfigError
 from megatron_pdm.mcore import ckpt_files as files
+
+LATER_MODEL_FIELDS = ("ffn_hidden_size", "qk_layernorm", "tie_word_embeddings")
+
+
+def saved_identity(saved: dict) -> dict:
+    """A manifest's identity with the later model fields it predates set to their defaults."""
+    from megatron_pdm.arch import ModelArch
+
+    defaults = {f"model.{f.name}": f.default for f in dataclasses.fields(ModelArch)
+                if f.name in LATER_MODEL_FIELDS}
+    return {**defaults, **saved}
+
 
 def checkpoint_dir(cfg) -> str:
     return os.path.join(cfg.output_dir, "checkpoints")
@@ -44,7 +59,7 @@ def check_before_start(cfg, *, resume: bool, world_size: int) -> None:
         if resume:
             path = files.find_resume(d)
             if path is not None:
-                saved = files.read_manifest(path).get("identity", {})
+                saved = saved_identity(files.read_manifest(path).get("identity", {}))
                 files.check_identity(saved, identity(cfg, world_size), path)
         elif files.has_checkpoints(d) and not cfg.checkpoint.allow_fresh_start:
             raise ConfigError(

@@ -98,7 +98,7 @@ def run_arch(cfg):
 
 def prepare_model_dir(arch, out_dir: str | os.PathLike, *, seed: int = 0,
                       dtype: str = "float32") -> Path:
-    """An HF Qwen3-MoE directory of `arch` with random weights (per-expert names).
+    """An HF directory of `arch` (its family: Qwen3-MoE, dense Qwen3, Llama) with random weights.
 
     The weights only have to have the right names and shapes: the trainer pushes its own before
     the first rollout. Norm weights are ones, the rest N(0, 0.02).

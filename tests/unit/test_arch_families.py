@@ -125,3 +125,24 @@ def test_mapping_names_follow_the_family():
     assert mapping.hf_output_name(llama) == "model.embed_tokens.weight"
     groups = dict(mapping.hf_group_names(llama))
     assert groups["head"] == ["decoder.final_layernorm.weight"]
+
+
+def test_a_run_checkpoint_written_before_the_dense_fields_still_resumes():
+    """An older manifest's identity lacks the dense families' model fields: it reads as the MoE
+    defaults (resume.saved_identity), while a dense run is still refused against it."""
+    from pathlib import Path
+
+    from megatron_pdm.mcore import ckpt_files
+    from megatron_pdm.train import resume
+    from megatron_pdm.train.config import RunConfig
+
+    tiny = Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu" / "config.yaml"
+    current = resume.identity(RunConfig.load(str(tiny), []), 2)
+    old = {k: v for k, v in current.items()
+           if k not in {f"model.{n}" for n in resume.LATER_MODEL_FIELDS}}
+    with pytest.raises(ckpt_files.CheckpointError, match="model.qk_layernorm"):
+        ckpt_files.check_identity(old, current, "ckpt")  # without the rule
+    ckpt_files.check_identity(resume.saved_identity(old), current, "ckpt")
+    dense = dict(current, **{"model.num_experts": 0, "model.ffn_hidden_size": 96})
+    with pytest.raises(ckpt_files.CheckpointError, match="model.ffn_hidden_size"):
+        ckpt_files.check_identity(resume.saved_identity(old), dense, "ckpt")
