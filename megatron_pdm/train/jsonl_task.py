@@ -75,6 +75,26 @@ def load_tokenizer(tokenizer_dir: str):
     return AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
 
 
+def eos_and_pad(tokenizer, where: str) -> tuple[int, int]:
+    """(eos id, pad id) of an HF tokenizer; pad falls back to eos. No eos is an error."""
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"tokenizer in {where} has no eos token")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return int(tokenizer.eos_token_id), int(pad)
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """Prompt ids of `text`: one user turn + the generation prompt through the tokenizer's chat
+    template if it has one, else the plain text (with the tokenizer's BOS if it adds one)."""
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                            add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding (5.x)
+            ids = ids["input_ids"]
+        return [int(i) for i in ids]
+    return [int(i) for i in tokenizer(text)["input_ids"]]
+
+
 class JsonlTask:
     """Task interface of the trainer (see task.AdditionTask) over a JSONL prompt file."""
 
@@ -83,12 +103,8 @@ class JsonlTask:
     def __init__(self, path: str, tokenizer_dir: str, *, eval_fraction: float = 0.0,
                  max_sequence_length: int | None = None, max_new_tokens: int | None = None):
         self.tokenizer = load_tokenizer(tokenizer_dir)
-        tok = self.tokenizer
-        if tok.eos_token_id is None:
-            raise ValueError(f"tokenizer in {tokenizer_dir} has no eos token")
-        self.eos_id = int(tok.eos_token_id)
-        self.pad_id = int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
-        self.vocab_size = len(tok)
+        self.eos_id, self.pad_id = eos_and_pad(self.tokenizer, tokenizer_dir)
+        self.vocab_size = len(self.tokenizer)
         records = []
         with open(path) as f:
             for n, line in enumerate(f, 1):
@@ -123,14 +139,7 @@ class JsonlTask:
             raise ValueError(f"no room for a response: max_new_tokens={self.max_new_tokens}")
 
     def encode_prompt(self, text: str) -> list[int]:
-        tok = self.tokenizer
-        if getattr(tok, "chat_template", None):
-            ids = tok.apply_chat_template([{"role": "user", "content": text}],
-                                          add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding (5.x)
-                ids = ids["input_ids"]
-            return [int(i) for i in ids]
-        return [int(i) for i in tok(text)["input_ids"]]
+        return encode_prompt(self.tokenizer, text)
 
     def problems(self, seed: int, index: int, n: int) -> list[int]:
         g = torch.Generator().manual_seed(seed * 1_000_003 + index * 7919 + 17)

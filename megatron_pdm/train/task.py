@@ -57,8 +57,13 @@ class Tokenizer:
 
 
 def build_task(cfg):
-    """The task of `cfg.task` ("addition" or "jsonl")."""
+    """The task of `cfg.task` ("addition", "jsonl" or "arithmetic")."""
     t = cfg.task
+    if t.name == "arithmetic":
+        from megatron_pdm.train.word_task import WordProblemTask
+
+        return WordProblemTask(t.tokenizer_dir, max_operand=t.max_operand,
+                               max_new_tokens=cfg.rollout.max_new_tokens or 48)
     if t.name == "jsonl":
         from megatron_pdm.train.jsonl_task import JsonlTask
 

@@ -65,7 +65,8 @@ class VLLMRollout(ServerRollout):
             max_retries=r.max_retries, seed=self.cfg.seed, vocab_size=self.arch.vocab_size,
             raise_on_failure=True, recover_timeout_s=r.vllm.restart_wait_s,
             pause_wait_s=r.vllm.pause_wait_s,
-            allow_insecure_dev_routes=r.vllm.allow_insecure_dev_routes)
+            allow_insecure_dev_routes=r.vllm.allow_insecure_dev_routes,
+            push_dir=r.vllm.push_dir)
 
     def _check_server(self) -> dict:
         info = self.client.check_server()

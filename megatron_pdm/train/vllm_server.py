@@ -27,10 +27,12 @@ that group, waits, then SIGKILLs the group: killing only the API server would or
 engine-core and worker processes (docs/engines.md, vLLM). Never kill by name.
 
 CLI (`python -m megatron_pdm.train.vllm_server`):
-  --config CFG [--set k=v ...] [--port P] [--host H] [--workdir D] [-- CMD ...]
-Starts the server, prints its URL, and either waits (Ctrl-C stops it) or runs CMD (every
-`{vllm_url}` in it replaced by the URL; `PDM_VLLM_URL` and the API key variable exported), then
-stops the server and exits with CMD's status.
+  --config CFG [--set k=v ...] [--port P] [--host H] [--workdir D] [--model-dir HF]
+  [--max-model-len N] [--kv-cache-mb M] [-- CMD ...]
+`--model-dir` serves an existing HF directory (the real model, docs/real-model.md) instead of
+`prepare_model_dir`'s random one. Starts the server, prints its URL, and either waits (Ctrl-C
+stops it) or runs CMD (every `{vllm_url}` in it replaced by the URL; `PDM_VLLM_URL` and the API
+key variable exported), then stops the server and exits with CMD's status.
 """
 
 from __future__ import annotations
@@ -190,6 +192,8 @@ class VLLMServer:
         served_model_name: The OpenAI model name.
         extra_args: More server flags.
         venv: The vLLM venv (default $VLLM_VENV, else `default_venv()`).
+        kv_cache_bytes: vLLM `--kv-cache-memory-bytes` (64 MiB: the tiny model; a real model
+            needs more, e.g. SmolLM2-135M holds ~46 KB of fp32 KV per token).
         omp_threads: OMP threads of the CPU worker (`VLLM_CPU_OMP_THREADS_BIND` stays default).
     """
 
@@ -197,9 +201,11 @@ class VLLMServer:
                  host: str = "127.0.0.1", port: int | None = None, api_key=None,
                  dtype: str = "float32", max_model_len: int | None = None,
                  served_model_name: str = "pdm-policy", extra_args: list[str] | None = None,
-                 venv: str | os.PathLike | None = None, seed: int = 0):
+                 venv: str | os.PathLike | None = None, seed: int = 0,
+                 kv_cache_bytes: int = 64 << 20):
         check_bind_host(host)
-        self.model_dir = Path(model_dir)
+        # absolute: the server runs in `workdir`, where a relative path means nothing
+        self.model_dir = Path(model_dir).resolve()
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.host = host
@@ -216,6 +222,7 @@ class VLLMServer:
         self.extra_args = list(extra_args or [])
         self.python = vllm_python(venv)
         self.seed = int(seed)
+        self.kv_cache_bytes = int(kv_cache_bytes)
         self.log_path = self.workdir / "vllm_server.log"
         self.proc: subprocess.Popen | None = None
         self.starts: list[float] = []
@@ -236,7 +243,7 @@ class VLLMServer:
             "--max-model-len", str(self.max_model_len), "--seed", str(self.seed),
             "--logprobs-mode", "processed_logprobs", "--skip-tokenizer-init",
             "--no-enable-chunked-prefill", "--enforce-eager", "--generation-config", "vllm",
-            "--kv-cache-memory-bytes", str(64 << 20),
+            "--kv-cache-memory-bytes", str(self.kv_cache_bytes),
             "--middleware", f"{EXT_MODULE}.BearerAuthEverywhereMiddleware",
             "--worker-extension-cls", f"{EXT_MODULE}.VLLMWeightSyncExtension",
             *self.extra_args,
@@ -375,18 +382,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--key-env", default=DEFAULT_KEY_ENV,
                         help="environment variable holding the API key (generated if unset)")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--model-dir", default=None,
+                        help="serve this HF directory (e.g. the real model) instead of a random "
+                             "one of the config's architecture; the trainer still pushes its "
+                             "weights before the first rollout")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="context length (default: the model's max_position_embeddings)")
+    parser.add_argument("--kv-cache-mb", type=int, default=64, help="vLLM KV cache size")
     parser.add_argument("--start-timeout", type=float, default=900.0)
     args = parser.parse_args(argv)
     cfg = RunConfig.load(args.config, args.set)
-    arch = run_arch(cfg)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="pdm_vllm_"))
-    model_dir = prepare_model_dir(arch, workdir / "model", seed=cfg.seed)
+    if args.model_dir:
+        model_dir = Path(args.model_dir)
+        if not (model_dir / "config.json").exists():
+            raise FileNotFoundError(f"--model-dir {model_dir}: no config.json (an HF model "
+                                    "directory is needed; the real model: make real-model)")
+        max_model_len = args.max_model_len
+    else:
+        arch = run_arch(cfg)
+        model_dir = prepare_model_dir(arch, workdir / "model", seed=cfg.seed)
+        max_model_len = args.max_model_len or arch.max_position_embeddings
     from rollout_bridge.core.apikey import ApiKey, read_api_key
 
     key = read_api_key(args.key_env) or ApiKey(secrets.token_hex(16))
     server = VLLMServer(model_dir, workdir, host=args.host, port=args.port, api_key=key,
-                        dtype=args.dtype, max_model_len=arch.max_position_embeddings,
-                        seed=cfg.seed)
+                        dtype=args.dtype, max_model_len=max_model_len, seed=cfg.seed,
+                        kv_cache_bytes=args.kv_cache_mb << 20)
     from rollout_bridge.vllm.versions import UnsupportedVLLMVersion
 
     print(f"vllm_server: starting on {server.url} (log {server.log_path})", flush=True)

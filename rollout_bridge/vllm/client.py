@@ -106,6 +106,8 @@ class VLLMEngine:
         max_recoveries: Re-pushes after restarts allowed within one `generate` call.
         repush_on_restart: Re-push the cached last weights to a restarted server.
         cache_push_max_bytes: Largest blob kept for re-pushes (larger: no automatic recovery).
+        push_dir: Weight pushes through a file in this directory instead of the request
+            body (a server on this machine; `VLLMWeightSync`).
         allow_insecure_dev_routes: Accept a non-loopback server whose dev routes answer without
             the API key (anyone reaching it can run worker methods).
         pause_mode: `mode` of /pause around a weight push ("wait": in-flight requests finish).
@@ -125,7 +127,7 @@ class VLLMEngine:
                  max_recoveries: int = 2, repush_on_restart: bool = True,
                  cache_push_max_bytes: int = 2 << 30, allow_insecure_dev_routes: bool = False,
                  pause_mode: str = "wait", pause_wait_s: float = 60.0,
-                 check_on_start: bool = False):
+                 check_on_start: bool = False, push_dir: str | None = None):
         self.http = VLLMHTTP(base_url, api_key=api_key, control_timeout_s=control_timeout_s)
         self.control = VLLMControl(self.http, model=model, top_logprobs=top_logprobs,
                                    vocab_size=vocab_size,
@@ -134,7 +136,8 @@ class VLLMEngine:
                                       recover_timeout_s=recover_timeout_s,
                                       max_recoveries=max_recoveries,
                                       repush_on_restart=repush_on_restart,
-                                      cache_push_max_bytes=cache_push_max_bytes)
+                                      cache_push_max_bytes=cache_push_max_bytes,
+                                      push_dir=push_dir)
         self.top_logprobs = int(top_logprobs)
         self.timeout_s = float(timeout_s)
         self.max_retries = int(max_retries)

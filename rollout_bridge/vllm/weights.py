@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -61,6 +63,12 @@ class VLLMWeightSync:
         max_recoveries: Re-pushes after restarts allowed within one `generate` call.
         repush_on_restart: Re-push the cached last weights to a restarted server.
         cache_push_max_bytes: Largest blob kept for re-pushes.
+        push_dir: None: the blob travels base64 in the `/collective_rpc` body. A directory the
+            server can read (a server on this machine; /dev/shm keeps it in memory): the blob is
+            written there and the worker loads the file (`pdm_load_weights_file`), for models
+            whose base64 body the server's HTTP layer drops (SmolLM2-135M in bf16, 270 MB:
+            the connection was closed mid-upload, "Broken pipe"). Same digest check; the last
+            file is kept for a re-push, older ones are deleted.
 
     Attributes:
         num_repushes: Automatic re-pushes after server restarts (over the engine's lifetime).
@@ -69,14 +77,17 @@ class VLLMWeightSync:
 
     def __init__(self, http: VLLMHTTP, control: VLLMControl, *, pause_mode: str = "wait",
                  recover_timeout_s: float = 0.0, max_recoveries: int = 2,
-                 repush_on_restart: bool = True, cache_push_max_bytes: int = 2 << 30):
+                 repush_on_restart: bool = True, cache_push_max_bytes: int = 2 << 30,
+                 push_dir: str | None = None):
         self.http, self.control = http, control
         self.pause_mode = pause_mode
         self.recover_timeout_s = float(recover_timeout_s)
         self.max_recoveries = int(max_recoveries)
         self.repush_on_restart = repush_on_restart
         self.cache_push_max_bytes = int(cache_push_max_bytes)
-        self._last_push: tuple[str, str, str] | None = None  # (blob b64, digest, version)
+        self.push_dir = push_dir
+        # ((rpc method, its argument: base64 blob or file path), digest, version)
+        self._last_push: tuple[tuple[str, str], str, str] | None = None
         self._lock = threading.Lock()
         self.num_repushes = 0
         self.last_push_info: dict = {}
@@ -106,14 +117,14 @@ class VLLMWeightSync:
         t0 = time.perf_counter()
         blob = save(tensors)
         digest = canonical_digest(tensors)
-        b64 = base64.b64encode(blob).decode("ascii")
+        payload = self._payload(blob, str(version))
         t1 = time.perf_counter()
 
         async def run():
             async with self.http.session() as s:
                 for attempt in range(self.max_recoveries + 1):
                     try:
-                        return await self._apush(s, b64, digest, str(version))
+                        return await self._apush(s, payload, digest, str(version))
                     except WeightSyncError as exc:
                         # The server died during the push: with recover_timeout_s, wait for it
                         # and push again (idempotent: the same blob and version).
@@ -125,9 +136,21 @@ class VLLMWeightSync:
                 raise AssertionError("unreachable")
 
         info = run_sync(run())
-        info.update(serialize_s=round(t1 - t0, 6), bytes=len(blob))
+        info.update(serialize_s=round(t1 - t0, 6), bytes=len(blob),
+                    transport="file" if self.push_dir else "base64")
         self.last_push_info = info
         return str(version)
+
+    def _payload(self, blob: bytes, version: str) -> tuple[str, str]:
+        """(worker method, argument) carrying `blob`: base64 in the body, or a file's path."""
+        if self.push_dir is None:
+            return "pdm_load_weights_b64", base64.b64encode(blob).decode("ascii")
+        path = os.path.join(self.push_dir, f"pdm-weights-{os.getpid()}-{version}.safetensors")
+        tmp = path + ".tmp"
+        with open(tmp, "wb") as f:
+            f.write(blob)
+        os.replace(tmp, path)
+        return "pdm_load_weights_file", os.path.abspath(path)
 
     async def _wait_healthy(self, session) -> bool:
         """Polls /health for up to recover_timeout_s; True once it answers 200."""
@@ -141,7 +164,8 @@ class VLLMWeightSync:
                     return False
                 await asyncio.sleep(min(2.0, max(0.1, deadline - time.monotonic())))
 
-    async def _apush(self, session, b64: str, digest: str, version: str) -> dict:
+    async def _apush(self, session, payload: tuple[str, str], digest: str, version: str
+                     ) -> dict:
         t0 = time.perf_counter()
         try:
             await self.http.request(session, "POST", "/pause",
@@ -152,7 +176,7 @@ class VLLMWeightSync:
         error: str | None = None
         results: list = []
         try:
-            results = await self.http.rpc(session, "pdm_load_weights_b64", b64)
+            results = await self.http.rpc(session, *payload)
             for i, r in enumerate(results):
                 got = r.get("canonical_digest") if isinstance(r, dict) else None
                 if got != digest:
@@ -181,9 +205,19 @@ class VLLMWeightSync:
             raise WeightSyncError(f"vLLM weight push of version {version} failed "
                                   f"({self.http.base_url}): {error}")
         self.control.known_version = version
+        nbytes = (len(payload[1]) * 3 // 4 if payload[0] == "pdm_load_weights_b64"
+                  else os.path.getsize(payload[1]))
         with self._lock:
-            self._last_push = ((b64, digest, version)
-                               if len(b64) * 3 // 4 <= self.cache_push_max_bytes else None)
+            previous = self._last_push
+            self._last_push = ((payload, digest, version)
+                               if nbytes <= self.cache_push_max_bytes else None)
+        stale = [previous[0]] if previous is not None and previous[0] != payload else []
+        if self._last_push is None:
+            stale.append(payload)  # too large to keep for a re-push
+        for method, arg in stale:
+            if method == "pdm_load_weights_file":
+                with contextlib.suppress(OSError):
+                    os.remove(arg)
         load_s = max((r.get("load_s", 0.0) for r in results), default=0.0)
         logger.info("vLLM weights -> version %s (%d tensors, %.2f s, worker load %.3f s)",
                     version, results[0].get("num_tensors", -1), time.perf_counter() - t0, load_s)

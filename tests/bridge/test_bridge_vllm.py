@@ -203,6 +203,27 @@ def test_weight_push_sequence_digest_and_version(vserver):
     assert vserver.paused is False and client.weight_version() == "5"
 
 
+def test_weight_push_through_a_file(vserver, tmp_path):
+    """push_dir: the blob goes as a file the server reads; digest and version checked the same;
+    the last file is kept (re-push after a restart), the one before it deleted."""
+    client = _client(vserver, push_dir=str(tmp_path))
+    client.check_server()
+    new = engine_weights(_engine(seed=9))
+    assert client.update_weights(new, "5") == "5"
+    assert vserver.loads == ["pdm_load_weights_file"]
+    assert client.last_push_info["transport"] == "file"
+    first = sorted(tmp_path.iterdir())
+    assert len(first) == 1 and first[0].name.endswith("-5.safetensors")
+    for k, v in new.items():
+        assert torch.equal(vserver.engine.model.state_dict()[k], v)
+    assert client.update_weights(engine_weights(_engine(seed=10)), "6") == "6"
+    assert [p.name for p in tmp_path.iterdir()] == [first[0].name.replace("-5.", "-6.")]
+    assert client.generate(prompts(2), PARAMS, n=2).weight_version == "6"
+    vserver.digest_override = "0" * 64
+    with pytest.raises(WeightSyncError, match="digest"):
+        client.update_weights(new, "7")
+
+
 # ---------------------------------------------------------------------------------------- checks
 
 def test_start_up_checks(vserver):

@@ -25,6 +25,7 @@ def compare(trainer, temperature: float, label: str) -> dict:
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     from megatron_pdm.mcore.loss_adapter import to_bsv
+    from megatron_pdm.train.logprob_check import LogprobAgreement
     from rollout_bridge.core.packing import pack_padded
 
     cfg = trainer.cfg
@@ -39,31 +40,11 @@ def compare(trainer, temperature: float, label: str) -> dict:
     with torch.no_grad():
         out = trainer.module(packed.tokens, packed.position_ids, attention_mask=None)
         logits = gather_from_tensor_model_parallel_region(to_bsv(out, b, s).contiguous())
-    vocab = batch.vocab_size
-    lp_bsv = torch.log_softmax(logits[..., :vocab].double() / temperature, dim=-1)
-    mask = packed.loss_mask
-    sampled = lp_bsv.gather(-1, packed.labels.clamp(max=vocab - 1)[..., None])[..., 0]
-    err_sampled = (sampled - packed.behavior_logprob.double())[mask].abs()
-    valid = packed.support_valid & mask[..., None]
-    ids = packed.support_ids.long().clamp(max=vocab - 1)
-    at_support = lp_bsv.gather(-1, ids)
-    err_support = (at_support - packed.support_logprobs.double())[valid].abs()
-    # top-K ids the trainer would pick vs the engine's (slots 0..K-1 that are valid)
-    k = batch.top_logprobs
-    top_trainer = torch.topk(lp_bsv, k, dim=-1).indices.sort(-1).values
-    eng = packed.support_ids[..., :k].long()
-    eng_valid = packed.support_valid[..., :k]
-    full_rows = mask & eng_valid.all(-1)
-    same_set = (top_trainer == eng.sort(-1).values).all(-1)[full_rows]
-    return {"label": label, "temperature": temperature, "weight_version": batch.weight_version,
+    check = LogprobAgreement(batch.top_logprobs, batch.vocab_size, temperature)
+    check.add(logits, packed)
+    return {"label": label, "weight_version": batch.weight_version,
             "samples": len(batch.samples), "failures": len(batch.failures),
-            "tokens": int(mask.sum()), "support_slots": int(valid.sum()),
-            "max_abs_err_sampled": float(err_sampled.max()),
-            "mean_abs_err_sampled": float(err_sampled.mean()),
-            "max_abs_err_support": float(err_support.max()),
-            "mean_abs_err_support": float(err_support.mean()),
-            "topk_set_agreement": float(same_set.double().mean()),
-            "generate_s": gen_s}
+            **check.report(), "generate_s": gen_s}
 
 
 def main() -> None:
