@@ -59,13 +59,17 @@ def test_save_and_load_sharded(tmp_path):
     assert not any(f.endswith(".tmp") for f in files)
 
 
-def test_driver_engine_simulates_sglangs_online_fp8_scales():
+def test_driver_engine_simulates_sglangs_online_fp8_scales(monkeypatch):
     """SGLang's `--quantization fp8` on a BF16 checkpoint quantises per tensor (per expert) on load;
     the driver's local engine simulates that by default (rollout.fp8_scales="tensor") and 128x128
     blocks only when asked (an FP8 checkpoint's scales)."""
+    from megatron_pdm.train import rollout
     from megatron_pdm.train.config import RolloutConfig
     from megatron_pdm.train.rollout import build_engine
 
+    # the driver's device (mcore/device.py) is the CPU shim's "cpu" here; the shim itself is not
+    # installed in this process
+    monkeypatch.setattr(rollout, "current_device", lambda: torch.device("cpu"))
     torch.manual_seed(0)
     lin = torch.nn.Linear(256, 256, bias=False)
     with torch.no_grad():
