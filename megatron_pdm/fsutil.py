@@ -1,4 +1,5 @@
-"""The one durable-write helper: a file replaced atomically, and a directory entry made durable.
+"""The one durable-write helper: a file replaced atomically, and a directory entry made durable;
+and the one file digest (`file_sha256`, used by the checkpoint manifest and the real-model cache).
 
 `write_atomic` writes to a temporary file in the target's directory, fsyncs it and renames it
 over the target, then fsyncs the directory: a reader (or a crash) sees the old file or the new
@@ -8,11 +9,21 @@ one, never a part. Used by the run config (configfile.py) and the checkpoint fil
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["fsync_dir", "write_atomic"]
+__all__ = ["file_sha256", "fsync_dir", "write_atomic"]
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """Hex SHA-256 of a file's bytes, read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def fsync_dir(path: str | os.PathLike) -> None:

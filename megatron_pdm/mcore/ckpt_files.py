@@ -17,7 +17,6 @@ number and never deletes the one `latest` names or the one just written.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -57,14 +56,6 @@ def prepare_tmp(save_dir: str, iteration: int) -> str:
     return path
 
 
-def _digest(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _files(path: str) -> list[str]:
     out = []
     for root, _, names in os.walk(path):
@@ -82,7 +73,7 @@ def write_manifest(path: str, *, run_id: str, iteration: int, identity: dict) ->
         full = os.path.join(path, rel)
         with open(full, "rb") as f:
             os.fsync(f.fileno())
-        files[rel] = {"size": os.path.getsize(full), "sha256": _digest(full)}
+        files[rel] = {"size": os.path.getsize(full), "sha256": fsutil.file_sha256(full)}
     manifest = {"format": FORMAT, "run_id": run_id, "iteration": int(iteration),
                 "identity": identity, "files": files}
     out = os.path.join(path, MANIFEST)
@@ -129,7 +120,7 @@ def verify(path: str) -> dict:
         if size != expected[rel]["size"]:
             raise CheckpointError(f"{full}: {size} bytes, the manifest says "
                                   f"{expected[rel]['size']} (corrupt or truncated)")
-        if _digest(full) != expected[rel]["sha256"]:
+        if fsutil.file_sha256(full) != expected[rel]["sha256"]:
             raise CheckpointError(f"{full}: sha256 differs from the manifest (corrupt)")
     return manifest
 

