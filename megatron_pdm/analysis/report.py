@@ -132,6 +132,18 @@ def _prediction_table(summary: dict) -> list[str]:
     return lines
 
 
+def _engine_words(setup: dict) -> str:
+    """Who generated the behaviour policy: the in-process engine's copy at its precision, or a
+    server (its version and serving dtype, and the precision of the pushed weights)."""
+    server = setup.get("engine_server")
+    if not server:
+        return f"engine copy {setup.get('rollout_precision')}"
+    version = server.get("vllm_version")
+    return (f"engine {server.get('engine') or setup.get('engine')} server"
+            f"{f' {version}' if version else ''} serving in {server.get('dtype') or '?'}, "
+            f"weights pushed in {setup.get('rollout_precision')}")
+
+
 def markdown(setup: dict, summary: dict) -> str:
     """The results page (see the module docstring)."""
     p = PAPER
@@ -149,7 +161,7 @@ def markdown(setup: dict, summary: dict) -> str:
         "",
         (f"Checkpoint `{setup.get('checkpoint')}` (iteration "
          f"{setup.get('checkpoint_iteration')}), batches: {setup.get('batch_source')}, {where}, "
-         f"engine copy {setup.get('rollout_precision')}, "
+         f"{_engine_words(setup)}, "
          f"layout TP={setup.get('tp')} DP={setup.get('dp')} "
          f"PP={setup.get('pp')}, optimizer {setup.get('optimizer')} with "
          f"{setup.get('adam_state')} Adam state, lr {setup.get('lr')}, statistics in "

@@ -204,6 +204,16 @@ def _batches(a: StudyArgs, trainer, ckpt_iteration: int):
         yield it, batch, it, cfg.seed  # the driver's own plan
 
 
+def _server_summary(rollout) -> dict | None:
+    """A server engine's start-up facts that say what produced the behaviour policy (vLLM:
+    version and serving dtype); None for the in-process engine."""
+    info = getattr(rollout, "server_info", None)
+    if not isinstance(info, dict):
+        return None
+    return {k: (None if info.get(k) is None else str(info[k]))
+            for k in ("engine", "model", "vllm_version", "dtype")}
+
+
 def _gather_setup(a, cfg, path, ckpt_iteration, trainer, j) -> dict:
     info = trainer.info
     return {"checkpoint": path, "checkpoint_iteration": ckpt_iteration,
@@ -217,6 +227,7 @@ def _gather_setup(a, cfg, path, ckpt_iteration, trainer, j) -> dict:
             "stale_steps": j + (a.stale_iterations * cfg.train.minibatches_per_iteration
                                 if a.source == "stale" else 0),
             "rollout_precision": cfg.rollout.rollout_precision,
+            "engine": cfg.rollout.engine, "engine_server": _server_summary(trainer.rollout),
             "fp8_scales": cfg.rollout.fp8_scales, "sgd_lr": a.sgd_lr, "design": a.design,
             "power": a.power,
             "minibatches_per_iteration": cfg.train.minibatches_per_iteration,

@@ -52,7 +52,8 @@ class ServerRollout:
         self.last_sync_s = 0.0
         self._in_flight: PendingRollout | None = None
         self.client = self._make_client() if dist.get_rank() == 0 else None
-        self._on_rank0(self._check_server)
+        # what the server said at start-up (the subclass's summary), the same on every rank
+        self.server_info = self._on_rank0(self._check_server)
 
     # ------------------------------------------------------------------ subclass API
 

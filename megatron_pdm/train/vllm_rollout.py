@@ -76,7 +76,8 @@ class VLLMRollout(ServerRollout):
                     info["vllm_version"], facts.get("dtype"), facts.get("vocab_size"),
                     info["weight_version"],
                     "guarded by the API key" if info["dev_routes_guarded"] else "OPEN")
-        return {"model": info["model"], "weight_version": info["weight_version"]}
+        return {"engine": "vllm", "model": info["model"], "weight_version": info["weight_version"],
+                "vllm_version": info["vllm_version"], "dtype": facts.get("dtype")}
 
     def _push(self, version: str) -> None:
         """Collective: gather the live weights on rank 0 and push them to vLLM as `version`."""
