@@ -35,6 +35,7 @@ from megatron_pdm.analysis import report, sources
 from megatron_pdm.analysis import snapshot as snap_mod
 from megatron_pdm.analysis.counting import rate
 from megatron_pdm.analysis.megatron_probe import MegatronProbe, verify_all_ranks
+from megatron_pdm.analysis.seed_log import SeedLog
 from megatron_pdm.analysis.seed_study import measure_seed
 from megatron_pdm.analysis.summary import summarize
 from megatron_pdm.mcore import optimizer as mopt
@@ -117,6 +118,7 @@ def run_own_runs(a) -> dict | None:
     cfg, path, trainer, criteria, j, t_start = open_study(a)
     start = snap_mod.take_snapshot(trainer.model, trainer.optimizer)
     per_seed, rows, seed_times = [], [], []
+    seed_log = SeedLog(a.out_dir, enabled=dist.get_rank() == 0)
     for seed in a.seeds:
         t0 = time.time()
         pooled = {c.name: _one_run(a, trainer, c, criteria, seed, start, stats_dtype, rows)
@@ -126,6 +128,8 @@ def run_own_runs(a) -> dict | None:
             pooled[c.name].setdefault("n_disagree_out_of_region", None)
         per_seed.append({"seed": seed, "criteria": pooled, "prediction": {},
                          "n_active": sum(r["n_active"] for r in rows if r["seed"] == seed)})
+        # on disk before the next seed (with its per-step rows): a killed study keeps it
+        seed_log.append(dict(per_seed[-1], per_step=[r for r in rows if r["seed"] == seed]))
         seed_times.append(time.time() - t0)
         logger.info("seed %s: unsafe-keep %s, %.1f s", seed,
                     {n: p["unsafe_keep_rate"] for n, p in pooled.items()}, seed_times[-1])

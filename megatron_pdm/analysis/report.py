@@ -24,20 +24,21 @@ PAPER = {
 }
 
 
-def _clean(x):
+def plain(x):
+    """`x` with every non-finite float replaced by None (JSON has no inf / NaN)."""
     if isinstance(x, float) and not math.isfinite(x):
         return None
     if isinstance(x, dict):
-        return {k: _clean(v) for k, v in x.items()}
+        return {k: plain(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_clean(v) for v in x]
+        return [plain(v) for v in x]
     return x
 
 
 def write_json(path: str, setup: dict, summary: dict, per_seed: list[dict], **extra) -> str:
     """results.json; `extra` (e.g. design "runs"' per_step rows) is stored beside."""
     with open(path, "w") as f:
-        json.dump(_clean({"setup": setup, "summary": summary, "per_seed": per_seed, **extra}),
+        json.dump(plain({"setup": setup, "summary": summary, "per_seed": per_seed, **extra}),
                   f, indent=1)
     return path
 

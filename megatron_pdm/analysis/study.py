@@ -51,6 +51,7 @@ from megatron_pdm.analysis.criteria import (
     keep_all_config,
 )
 from megatron_pdm.analysis.megatron_probe import MegatronProbe, verify_all_ranks
+from megatron_pdm.analysis.seed_log import SeedLog
 from megatron_pdm.analysis.seed_study import measure_seed, token_arrays
 from megatron_pdm.analysis.summary import summarize
 from megatron_pdm.configtree import ConfigError, apply_override, check_fields
@@ -283,6 +284,7 @@ def run_study(a: StudyArgs) -> dict | None:
     keep_all = keep_all_config(cfg.loss)
     pp = cfg.parallel.pp
     per_seed, tokens, labels, staleness, seed_times = [], [], [], [], []
+    seed_log = SeedLog(a.out_dir, enabled=dist.get_rank() == 0)
     for label, batch, it, plan_seed in _batches(a, trainer, ckpt_iteration):
         t0 = time.time()
         snap_mod.restore_snapshot(start, trainer.model, trainer.optimizer)
@@ -312,6 +314,7 @@ def run_study(a: StudyArgs) -> dict | None:
         m.counts.update(seed=label, batch_iteration=it, batch_weight_version=batch.weight_version,
                         staleness=stale)
         per_seed.append(m.counts)
+        seed_log.append(m.counts)  # on disk before the next seed: a killed study keeps it
         arrays = token_arrays(m, criteria)
         arrays["seed"] = torch.full_like(arrays["adv"], float(label))
         tokens.append(arrays)

@@ -29,6 +29,7 @@ import sys
 import numpy as np
 import pytest
 
+from megatron_pdm.analysis.seed_log import read_partial
 from megatron_pdm.netutil import free_port
 from tests.e2e._launch import ROOT, launch
 
@@ -102,6 +103,8 @@ def test_all_outputs_written(outputs):
     with open(os.path.join(out, "results.md")) as f:
         md = f.read()
     assert "unsafe-keep rate" in md and "36.9%" in md  # the paper's number is on the page
+    # every seed was on disk as it finished, the same record as results.json's
+    assert read_partial(out) == r["per_seed"]
 
 
 def _flat(x, path=""):
@@ -156,3 +159,30 @@ def test_tp2_equals_tp1(outputs):
             assert va == pytest.approx(fb[key], abs=1e-5), key
         else:
             assert va == fb[key], key
+
+
+def test_own_runs_design_end_to_end(outputs, tmp_path):
+    """Design "runs" from the same checkpoint: each criterion's own 1-iteration run per seed,
+    every step counted; each seed (with its step rows) on disk as it finished."""
+    run_dir = os.path.dirname(outputs["default"]) + "/run"
+    out = str(tmp_path / "runs")
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    cmd = [torchrun, "--nproc-per-node", "2", "--master-port", str(free_port()),
+           "-m", "megatron_pdm.tools.analyze_masks", "--run-dir", run_dir,
+           "--checkpoint", os.path.join(run_dir, "checkpoints", "iter_0000001"),
+           "--design", "runs", "--run-iterations", "1", "--criteria", "ratio", "pdm-agg",
+           "--seeds", "3", "4", "--delta-kl", str(DELTA), "--no-plots", "--out-dir", out]
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+                          check=False)
+    assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    r = _results(out)
+    assert [s["seed"] for s in r["per_seed"]] == [3, 4]
+    steps = r["setup"]["minibatches_per_iteration"]  # one optimizer step per minibatch
+    assert len(r["per_step"]) == 2 * 2 * steps  # seeds x criteria x steps of one iteration
+    partial = read_partial(out)
+    for rec, seed in zip(partial, r["per_seed"]):
+        rows = rec.pop("per_step")
+        assert rec == seed
+        assert rows == [x for x in r["per_step"] if x["seed"] == seed["seed"]]
