@@ -1,7 +1,11 @@
 """run_gloo: run a function on `world_size` spawned CPU processes joined in a gloo group.
 
-Each worker gets (rank, world_size, *args), a default process group over 127.0.0.1 on a free
-port, one intra-op thread (2-core CI boxes), and the group is destroyed in `finally`. A worker
+Each worker gets (rank, world_size, *args), a default process group over 127.0.0.1, one
+intra-op thread (2-core CI boxes), and the group is destroyed in `finally`. The rendezvous store
+is created by the calling process on a port the OS assigns while binding it (port 0) and held
+until the workers are joined; the workers connect to it as clients. No port is chosen first and
+bound later, so another process cannot take it in between (with a free port handed to rank 0,
+that race failed a CI run with EADDRINUSE while other jobs shared the machine). A worker
 exception fails the calling test (torch.multiprocessing re-raises it with the traceback).
 The function must be importable at module level (spawn pickles it by reference).
 """
@@ -14,14 +18,18 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron_pdm.netutil import free_port
+from datetime import timedelta
+
+HOST = "127.0.0.1"
+TIMEOUT = timedelta(seconds=300)
 
 
 def _worker(rank: int, world_size: int, port: int, fn, args) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_ADDR"] = HOST  # for code that reads them (the group needs neither)
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    store = dist.TCPStore(HOST, port, is_master=False, timeout=TIMEOUT)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
     finally:
@@ -30,7 +38,12 @@ def _worker(rank: int, world_size: int, port: int, fn, args) -> None:
 
 def run_gloo(fn, world_size: int, *args) -> None:
     """Runs fn(rank, world_size, *args) on world_size gloo processes; raises on any failure."""
-    mp.start_processes(
-        _worker, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True,
-        start_method="spawn",
-    )
+    # the store's server: bound on an OS-assigned port now, alive until every worker has joined
+    store = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
+    try:
+        mp.start_processes(
+            _worker, args=(world_size, store.port, fn, args), nprocs=world_size, join=True,
+            start_method="spawn",
+        )
+    finally:
+        del store
