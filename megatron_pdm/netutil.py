@@ -4,7 +4,8 @@ Used by the trainer (torchrun master port, the SGLang weight-sync group, the vLL
 converter's gloo spawn, the tests and the benchmarks. The port is free when asked; another
 process may take it before it is bound again (the race of this idiom: it failed a test run with
 EADDRINUSE on a machine shared with other jobs). Where the binder can be handed port 0 itself,
-do that instead (tests/_dist.py binds its rendezvous store on port 0 and holds it). Pure standard library: importing it loads no torch.
+do that instead (tests/_dist.py binds its rendezvous store on port 0 and holds it). Pure
+standard library: importing it loads no torch.
 """
 
 from __future__ import annotations
