@@ -1,12 +1,12 @@
 """Per-seed records on disk as each seed finishes, so a study that dies part-way (the OOM killer,
 SIGKILL, a lost node) keeps every seed it measured.
 
-`<out_dir>/per_seed.partial.jsonl`: one JSON line per finished seed (the dict results.json
-stores under `per_seed`; design "runs" adds the seed's `per_step` rows), written by global
-rank 0, flushed and fsynced before the next seed starts. results.json, written at the end, stays the complete record; the partial file is left
-beside it. A study started in a directory that already holds a partial file moves that file to
-`per_seed.partial.jsonl.old-<k>` (the lowest free k) instead of appending to or deleting it: the
-lines of one file always belong to one study.
+`<out_dir>/per_seed.partial.jsonl`: one JSON line per finished seed (the dict results.json stores
+under `per_seed`; design "runs" adds the seed's `per_step` rows), written by global rank 0,
+flushed and fsynced before the next seed starts. results.json, written at the end, stays the
+complete record; the partial file is left beside it. A study started in a directory that already
+holds a partial file moves that file to `per_seed.partial.jsonl.old-<k>` (the lowest free k)
+instead of appending to or deleting it: the lines of one file always belong to one study.
 """
 
 from __future__ import annotations
