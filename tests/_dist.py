@@ -7,7 +7,11 @@ until the workers are joined; the workers connect to it as clients. No port is c
 bound later, so another process cannot take it in between (with a free port handed to rank 0,
 that race failed a CI run with EADDRINUSE while other jobs shared the machine). A worker
 exception fails the calling test (torch.multiprocessing re-raises it with the traceback).
-The function must be importable at module level (spawn pickles it by reference).
+Each worker imports megatron_pdm before calling fn: a spawned interpreter starts bare, and the
+package's import installs the triton stand-in that megatron-core 0.19 needs on CPU torch before
+any `import megatron.core` (megatron_pdm/triton_stub.py); without it a worker that imports
+megatron.core first fails there. The function must be importable at module level (spawn
+pickles it by reference).
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ TIMEOUT = timedelta(seconds=300)
 
 
 def _worker(rank: int, world_size: int, port: int, fn, args) -> None:
+    import megatron_pdm  # noqa: F401  (the triton stand-in, before fn imports megatron.core)
+
     os.environ["MASTER_ADDR"] = HOST  # for code that reads them (the group needs neither)
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)

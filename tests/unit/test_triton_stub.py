@@ -60,3 +60,26 @@ def test_without_the_package_the_fake_really_needs_triton(tmp_path):
     """The set-up is real: without megatron_pdm the same import fails."""
     proc = _run(tmp_path, "from megatron.core.transformer.moe.ops import paged_stash\n")
     assert proc.returncode != 0 and "No module named 'triton'" in proc.stderr, proc.stderr
+
+
+def test_stub_present_in_a_gloo_worker_whose_module_imports_megatron_first(tmp_path):
+    """tests._dist.run_gloo's spawned workers start bare: a worker function whose own module
+    imports nothing of megatron_pdm and whose body imports megatron-core first still gets the stub
+    (run_gloo's worker imports the package before calling it). The blocker goes in as
+    sitecustomize, so the spawned interpreter cannot import triton either."""
+    (tmp_path / "sitecustomize.py").write_text("import importlib.util\n" + BLOCKER)
+    (tmp_path / "gloo_worker.py").write_text(textwrap.dedent("""
+        from tests._dist import run_gloo
+
+
+        def work(rank, world_size):
+            from megatron.core.transformer.moe.ops import paged_stash
+            assert paged_stash.GLOBAL_BLOCK_SIZE == 1024
+    """))
+    proc = _run(tmp_path, textwrap.dedent("""
+        import sys
+        import gloo_worker
+        assert "megatron_pdm" not in sys.modules  # only the spawned worker imports it
+        gloo_worker.run_gloo(gloo_worker.work, 1)
+    """))
+    assert proc.returncode == 0, proc.stderr[-3000:]
