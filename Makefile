@@ -10,6 +10,11 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 NPROC   ?= 2
 
+# torchrun's rendezvous: with MASTER_PORT set (make demo MASTER_PORT=29517), that port; else
+# --standalone, whose stores bind a port the OS picks (megatron_pdm/netutil.py, LOCAL_TORCHRUN), so
+# two runs on one machine never collide and no chosen port can be taken in between.
+TORCHRUN_PORT = $(if $(MASTER_PORT),--master-port $(MASTER_PORT),--standalone --local-addr 127.0.0.1)
+
 .PHONY: demo test bench venv clean vllm-venv demo-vllm real-model demo-real
 
 $(STAMP): setup.py constraints/ci.txt
@@ -26,7 +31,7 @@ venv: $(STAMP)
 # nothing is deleted); `make demo ARGS=--resume` continues a killed one instead.
 demo: $(STAMP)
 	OMP_NUM_THREADS=$(or $(THREADS),1) $(VENV)/bin/torchrun --nproc-per-node $(NPROC) \
-		--master-port $${MASTER_PORT:-29517} -m megatron_pdm.train \
+		$(TORCHRUN_PORT) -m megatron_pdm.train \
 		--config examples/tiny_cpu/config.yaml --set checkpoint.allow_fresh_start=true \
 		$(if $(SEED),--set seed=$(SEED)) $(ARGS)
 
@@ -71,7 +76,7 @@ demo-vllm: $(STAMP) vllm-venv
 	$(VPY) -m megatron_pdm.train.vllm_server --config examples/tiny_cpu/config.yaml \
 		$(if $(SEED),--set seed=$(SEED)) -- \
 		env OMP_NUM_THREADS=$(or $(THREADS),1) $(VENV)/bin/torchrun --nproc-per-node $(NPROC) \
-		--master-port $${MASTER_PORT:-29518} -m megatron_pdm.train \
+		$(TORCHRUN_PORT) -m megatron_pdm.train \
 		--config examples/tiny_cpu/config.yaml --set rollout.engine=vllm \
 		--set "rollout.vllm.url={vllm_url}" --set output_dir=runs/tiny_cpu_vllm \
 		--set checkpoint.allow_fresh_start=true \
@@ -100,7 +105,7 @@ demo-real: real-model vllm-venv
 		--set rollout.vllm.url=http://127.0.0.1:0 --model-dir $(REAL_MODEL) \
 		--max-model-len 512 --kv-cache-mb 512 -- \
 		env OMP_NUM_THREADS=$(or $(THREADS),1) $(VENV)/bin/torchrun --nproc-per-node 1 \
-		--master-port $${MASTER_PORT:-29519} -m megatron_pdm.train \
+		$(TORCHRUN_PORT) -m megatron_pdm.train \
 		--config examples/real_cpu/config.yaml --set "rollout.vllm.url={vllm_url}" \
 		--set checkpoint.load_dir=$(REAL_MCORE) --set task.tokenizer_dir=$(REAL_MODEL) \
 		--set checkpoint.allow_fresh_start=true $(ARGS)

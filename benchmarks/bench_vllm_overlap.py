@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from megatron_pdm.netutil import free_port  # noqa: E402  (after the path insert)
+from megatron_pdm.netutil import LOCAL_TORCHRUN  # noqa: E402  (after the path insert)
 CONFIG = ROOT / "examples" / "tiny_cpu" / "config.yaml"
 MODEL = ["model.head_dim=32"]
 
@@ -52,7 +52,7 @@ def run_once(url: str, key_env: str, out: Path, overlap: bool, iterations: int,
         "warmup.steps=0", "task.partial_credit=true", "checkpoint.save_interval=0",
         "train.eval_prompts=16", "log.plot=false", "log.tensorboard=false",
         "log.progress=false", f"output_dir={out}"] + extra
-    cmd = [str(torchrun), "--nproc-per-node", "2", "--master-port", str(free_port()),
+    cmd = [str(torchrun), "--nproc-per-node", "2", *LOCAL_TORCHRUN,
            "-m", "megatron_pdm.train", "--config", str(CONFIG)]
     for s in sets:
         cmd += ["--set", s]

@@ -4,7 +4,10 @@ Two ways in:
 - under `torchrun` (WORLD_SIZE/RANK/MASTER_ADDR in the environment): the function runs once in
   this process with the env:// rendezvous; use this for large layouts spread over many hosts;
 - otherwise `launch` spawns `world_size` local processes itself (gloo on 127.0.0.1, one thread
-  each), so `--tp 2 --ep 2` works from a plain single-process command on a laptop or in CI.
+  each), so `--tp 2 --ep 2` works from a plain single-process command on a laptop or in CI. The
+  rendezvous store is bound by this process on port 0 (the OS's choice) and held while the
+  workers connect as clients: no free port is picked first and bound later (the race that
+  netutil.free_port has). A one-rank layout runs in this process on an in-memory store.
 
 Conversion moves weights only (no forward pass), so it always uses gloo, also on GPU hosts.
 """
@@ -17,7 +20,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from megatron_pdm.netutil import free_port
+from datetime import timedelta
+
+HOST = "127.0.0.1"
+STORE_TIMEOUT = timedelta(seconds=600)
 
 
 def under_torchrun() -> bool:
@@ -25,10 +31,14 @@ def under_torchrun() -> bool:
 
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple) -> None:
+    """A spawned rank: joins the caller's store (a client of it) and runs fn."""
+    store = dist.TCPStore(HOST, port, is_master=False, timeout=STORE_TIMEOUT)
+    _run_rank(store, rank, world_size, fn, args)
+
+
+def _run_rank(store, rank: int, world_size: int, fn: Callable, args: tuple) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
-    )
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     try:
         fn(*args)
     finally:
@@ -62,11 +72,16 @@ def launch(fn: Callable, world_size: int, *args) -> None:
             dist.destroy_process_group()
         return
     if world_size == 1:
-        _entry(0, 1, free_port(), fn, args)
+        _run_rank(dist.HashStore(), 0, 1, fn, args)
         return
     import torch.multiprocessing as mp
 
-    mp.spawn(_entry, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True)
+    # the store's server: bound on an OS-assigned port now, alive until every rank has joined
+    store = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False, timeout=STORE_TIMEOUT)
+    try:
+        mp.spawn(_entry, args=(world_size, store.port, fn, args), nprocs=world_size, join=True)
+    finally:
+        del store
 
 
 def init_model_parallel(tp: int, ep: int, pp: int) -> None:

@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 
-from megatron_pdm.netutil import free_port
+from megatron_pdm.netutil import LOCAL_TORCHRUN
 from megatron_pdm.train.logging_utils import read_metrics
 from megatron_pdm.train.report import plot_runs
 
@@ -33,7 +33,7 @@ TRACKER = "latest_checkpointed_iteration.txt"
 
 def _torchrun(args: list[str], nproc: int, threads: int) -> None:
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    cmd = [torchrun, "--nproc-per-node", str(nproc), "--master-port", str(free_port()),
+    cmd = [torchrun, "--nproc-per-node", str(nproc), *LOCAL_TORCHRUN,
            "-m", "megatron_pdm.train", *args]
     subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
 

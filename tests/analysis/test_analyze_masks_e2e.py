@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 
 from megatron_pdm.analysis.seed_log import read_partial
-from megatron_pdm.netutil import free_port
+from megatron_pdm.netutil import LOCAL_TORCHRUN
 from tests.e2e._launch import ROOT, launch
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
@@ -44,7 +44,7 @@ RUN = ["log.save_rollouts=2",
 
 def _tool(run_dir: str, out: str, tp: int, *extra: str) -> None:
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    cmd = [torchrun, "--nproc-per-node", "2", "--master-port", str(free_port()),
+    cmd = [torchrun, "--nproc-per-node", "2", *LOCAL_TORCHRUN,
            "-m", "megatron_pdm.tools.analyze_masks", "--run-dir", run_dir,
            "--checkpoint", os.path.join(run_dir, "checkpoints", "iter_0000001"),
            "--batches", "saved", "--delta-kl", str(DELTA), "--out-dir", out,
@@ -128,7 +128,17 @@ def test_study_steps_use_the_runs_learning_rate_schedule(outputs):
     assert setup["lr_per_step"] == pytest.approx(want, rel=1e-12)
 
 
+DECISIONS = ("keep__", "disagree__", "out_of_region")  # per-token booleans (0/1)
+BOUNDARIES = ("away__", "delta_d")  # per-token signed statistics whose sign decides
+
+
 def test_tp2_equals_tp1(outputs):
+    """TP=2 and TP=1 give the same tokens' statistics (to rounding) and the same decisions.
+
+    A decision may flip between the layouts only on a token whose statistic lies within 10x
+    the layouts' rounding difference of its boundary (a correct run can have such a token).
+    Where no decision flipped, every count and rate is equal; where some did, each count
+    differs by at most the number of flipped tokens (rates are not compared then)."""
     a, b = _results(outputs[2]), _results(outputs[1])
     assert (a["setup"]["tp"], a["setup"]["dp"]) == (2, 1)
     assert (b["setup"]["tp"], b["setup"]["dp"]) == (1, 2)
@@ -138,21 +148,31 @@ def test_tp2_equals_tp1(outputs):
     for key in ta.files:
         np.testing.assert_allclose(ta[key], tb[key], atol=1e-5, rtol=0, err_msg=key)
         noise[key] = float(np.abs(ta[key] - tb[key]).max())
-    # No decision is near its boundary compared with the layouts' rounding difference.
     delta = a["setup"]["delta_kl"]
-    at_boundary = "the case has a decision within 10x the TP rounding difference of its boundary"
-    assert np.abs(ta["topk_kl"] - delta).min() > 10 * noise["topk_kl"], at_boundary
+    near = np.abs(ta["topk_kl"] - delta) <= 10 * noise["topk_kl"]
     for key in ta.files:
-        if key.startswith(("away__", "delta_d")):
-            assert np.abs(ta[key]).min() > 10 * noise[key], (at_boundary, key, noise[key])
+        if key.startswith(BOUNDARIES):
+            near |= np.abs(ta[key]) <= 10 * noise[key]
+    flipped = np.zeros_like(near)
+    for key in ta.files:
+        if key.startswith(DECISIONS):
+            flipped |= ta[key] != tb[key]
+    far_flips = np.flatnonzero(flipped & ~near)
+    assert far_flips.size == 0, f"decisions differ on tokens far from a boundary: {far_flips}"
+    n_flipped = int(flipped.sum())
     fa, fb = _flat(a["per_seed"]), _flat(b["per_seed"])
     assert fa.keys() == fb.keys()
     for key, va in fa.items():
         vb = fb[key]
         if isinstance(va, float) and isinstance(vb, float):
-            assert va == pytest.approx(vb, abs=1e-5), key
+            if n_flipped == 0:
+                assert va == pytest.approx(vb, abs=1e-5), key
+        elif isinstance(va, int) and isinstance(vb, int) and not isinstance(va, bool):
+            assert abs(va - vb) <= n_flipped, key  # every count exactly when none flipped
         else:
-            assert va == vb, key  # every count (and None) exactly
+            assert va == vb, key  # None, names, flags
+    if n_flipped:
+        return
     fa, fb = _flat(a["summary"]), _flat(b["summary"])
     for key, va in fa.items():  # the summary (rates, wins, bootstrap intervals) too
         if isinstance(va, float):
@@ -167,7 +187,7 @@ def test_own_runs_design_end_to_end(outputs, tmp_path):
     run_dir = os.path.dirname(outputs["default"]) + "/run"
     out = str(tmp_path / "runs")
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    cmd = [torchrun, "--nproc-per-node", "2", "--master-port", str(free_port()),
+    cmd = [torchrun, "--nproc-per-node", "2", *LOCAL_TORCHRUN,
            "-m", "megatron_pdm.tools.analyze_masks", "--run-dir", run_dir,
            "--checkpoint", os.path.join(run_dir, "checkpoints", "iter_0000001"),
            "--design", "runs", "--run-iterations", "1", "--criteria", "ratio", "pdm-agg",

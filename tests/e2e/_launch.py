@@ -1,4 +1,4 @@
-"""Launch the trainer CLI under torchrun for the end-to-end tests (2 processes, free port)."""
+"""Launch the trainer CLI under torchrun for the end-to-end tests (2 processes, one machine)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from megatron_pdm.netutil import free_port
+from megatron_pdm.netutil import LOCAL_TORCHRUN
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(ROOT, "examples", "tiny_cpu", "config.yaml")
@@ -24,7 +24,7 @@ def command(output_dir: str, overrides: list[str], extra: list[str] = (),
             nproc: int = 2) -> tuple[list[str], dict]:
     """The torchrun command line and environment of a short trainer run."""
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    cmd = [torchrun, "--nproc-per-node", str(nproc), "--master-port", str(free_port()),
+    cmd = [torchrun, "--nproc-per-node", str(nproc), *LOCAL_TORCHRUN,
            "-m", "megatron_pdm.train", "--config", CONFIG, "--output-dir", output_dir]
     for item in SHORT + list(overrides):
         cmd += ["--set", item]

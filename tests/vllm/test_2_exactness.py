@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from megatron_pdm.netutil import free_port
+from megatron_pdm.netutil import LOCAL_TORCHRUN
 from tests.e2e._launch import CONFIG, ROOT
 from tests.vllm._common import vllm_overrides
 
@@ -36,7 +36,7 @@ def test_engine_logprobs_equal_trainer_logprobs(vllm_server, tmp_path):
         "rollout.prompts_per_iteration=16", "rollout.group_size=8", "rollout.top_logprobs=8",
         "warmup.steps=3", "warmup.batch_size=16", "warmup.lr=0.01",
         f"output_dir={tmp_path / 'run'}"]
-    cmd = [torchrun, "--nproc-per-node", "2", "--master-port", str(free_port()),
+    cmd = [torchrun, "--nproc-per-node", "2", *LOCAL_TORCHRUN,
            os.path.join(ROOT, "tests", "vllm", "_exactness.py"), str(out), "--config", CONFIG]
     for item in overrides:
         cmd += ["--set", item]

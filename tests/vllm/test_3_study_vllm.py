@@ -18,7 +18,7 @@ import sys
 import numpy as np
 import pytest
 
-from megatron_pdm.netutil import free_port
+from megatron_pdm.netutil import LOCAL_TORCHRUN
 from tests.e2e._launch import ROOT, launch
 from tests.vllm._common import vllm_overrides
 
@@ -36,7 +36,7 @@ def test_study_takes_behaviour_from_vllm(vllm_server, tmp_path):
     launch(run_dir, ["train.iterations=2", "checkpoint.save_interval=0",
                      "rollout.prompts_per_iteration=8", "task.partial_credit=true"])
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    cmd = [torchrun, "--nproc-per-node", "2", "--master-port", str(free_port()),
+    cmd = [torchrun, "--nproc-per-node", "2", *LOCAL_TORCHRUN,
            "-m", "megatron_pdm.tools.analyze_masks", "--run-dir", run_dir, "--out-dir", out,
            "--source", "precision", "--delta-kl", str(DELTA), "--num-seeds", str(SEEDS),
            "--criteria", "ratio", "pdm-agg", "--no-plots"]
