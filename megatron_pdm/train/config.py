@@ -80,7 +80,11 @@ class TaskConfig:
     max_operand: int = 20
     """arithmetic: operands are drawn from [2, max_operand]."""
     eval_fraction: float = 0.0
-    """jsonl: last fraction of the file held out for the greedy evaluation (0: no evaluation)."""
+    """jsonl: last fraction of the file held out for the greedy evaluation (0: no evaluation);
+    a training prompt identical to a held-out one is dropped from training."""
+    heldout_fraction: float = 0.2
+    """addition, arithmetic: fraction of the arithmetic facts that are evaluation only
+    (train/heldout.py: a digest of the fact decides; training streams never draw them)."""
     num_digits: int = 2
     """addition: digits per operand."""
     operand_order: Literal["msb_first", "lsb_first"] = "msb_first"
@@ -100,6 +104,8 @@ class TaskConfig:
         _positive("task", self, "num_filler_tokens", allow_zero=True)
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ConfigError(f"task.eval_fraction={self.eval_fraction} must be in [0, 1)")
+        if not 0.0 < self.heldout_fraction < 1.0:
+            raise ConfigError(f"task.heldout_fraction={self.heldout_fraction} must be in (0, 1)")
         if self.max_operand < 2:
             raise ConfigError(f"task.max_operand={self.max_operand} must be >= 2")
         if self.name in ("jsonl", "arithmetic"):

@@ -11,7 +11,8 @@ Reward: 1.0 iff the response's final answer equals the reference: the content of
 
 Prompts of iteration i are drawn with replacement from the training lines by a generator seeded by
 (seed, i), so the data stream needs no state of its own to resume exactly. `eval_fraction` holds
-out the last lines of the file for the greedy evaluation.
+out the last lines of the file for the greedy evaluation; a training line whose prompt tokens equal
+a held-out prompt's is dropped from training, so no evaluation prompt is ever trained on.
 """
 
 from __future__ import annotations
@@ -125,8 +126,16 @@ class JsonlTask:
         if not records:
             raise ValueError(f"{path}: no usable prompts")
         n_eval = int(len(records) * eval_fraction)
-        self.train_records = records[:len(records) - n_eval] or records
         self.eval_records = records[len(records) - n_eval:] if n_eval else []
+        held = {tuple(r[0]) for r in self.eval_records}
+        train = [r for r in records[:len(records) - n_eval] if tuple(r[0]) not in held]
+        if n_eval and len(train) < len(records) - n_eval:
+            logger.warning("%s: dropped %d training prompts identical to a held-out one", path,
+                           len(records) - n_eval - len(train))
+        if n_eval and not train:
+            raise ValueError(f"{path}: every training prompt is also a held-out prompt "
+                             f"(task.eval_fraction={eval_fraction})")
+        self.train_records = train or records
         self.max_prompt_len = max(len(r[0]) for r in records)
         if max_new_tokens is not None:
             self.max_new_tokens = int(max_new_tokens)

@@ -16,7 +16,9 @@ the data). With the default 3 fillers V = 18, which Megatron pads to 32 at TP=2 
 the padded ids must get zero probability in the loss, and K=8 top-K covers less than half of V.
 
 Prompts are drawn from a generator seeded by (seed, iteration), so the data stream needs no state
-of its own to resume exactly.
+of its own to resume exactly. The evaluation is held out (train/heldout.py): a fixed fraction of
+the arithmetic facts {a, b} (`task.heldout_fraction`) is evaluation only; every training stream
+(RL prompts, the supervised warm-up, its stopping probe) skips them.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from megatron_pdm.train import heldout
 
 
 @dataclass(frozen=True)
@@ -63,7 +67,8 @@ def build_task(cfg):
         from megatron_pdm.train.word_task import WordProblemTask
 
         return WordProblemTask(t.tokenizer_dir, max_operand=t.max_operand,
-                               max_new_tokens=cfg.rollout.max_new_tokens or 48)
+                               max_new_tokens=cfg.rollout.max_new_tokens or 48,
+                               heldout_fraction=t.heldout_fraction)
     if t.name == "jsonl":
         from megatron_pdm.train.jsonl_task import JsonlTask
 
@@ -71,14 +76,16 @@ def build_task(cfg):
                          max_sequence_length=cfg.rollout.max_sequence_length,
                          max_new_tokens=cfg.rollout.max_new_tokens)
     return AdditionTask(t.num_digits, Tokenizer(num_filler_tokens=t.num_filler_tokens),
-                        partial_credit=t.partial_credit, operand_order=t.operand_order)
+                        partial_credit=t.partial_credit, operand_order=t.operand_order,
+                        heldout_fraction=t.heldout_fraction)
 
 
 class AdditionTask:
     """Prompts, reference answers and the exact-match reward of d-digit addition."""
 
     def __init__(self, num_digits: int, tokenizer: Tokenizer, *, partial_credit: bool = False,
-                 operand_order: str = "msb_first"):
+                 operand_order: str = "msb_first",
+                 heldout_fraction: float = heldout.DEFAULT_FRACTION):
         if num_digits < 1:
             raise ValueError(f"num_digits must be >= 1, got {num_digits}")
         if operand_order not in ("msb_first", "lsb_first"):
@@ -87,6 +94,9 @@ class AdditionTask:
         self.tok = tokenizer
         self.partial_credit = partial_credit
         self.lsb_first = operand_order == "lsb_first"
+        if not 0.0 < heldout_fraction < 1.0:
+            raise ValueError(f"heldout_fraction must be in (0, 1), got {heldout_fraction}")
+        self.heldout_fraction = float(heldout_fraction)
 
     @property
     def prompt_len(self) -> int:
@@ -112,10 +122,29 @@ class AdditionTask:
         ab = torch.randint(0, 10 ** self.d, (n, 2), generator=generator)
         return [(int(a), int(b)) for a, b in ab]
 
-    def operands_for(self, seed: int, index: int, n: int) -> list[tuple[int, int]]:
-        """Deterministic operands for (seed, index): the data stream of iteration `index`."""
+    @staticmethod
+    def problem_key(problem: tuple[int, int]) -> str:
+        """The content key of the held-out split (train/heldout.py): one key per fact {a, b}."""
+        a, b = problem
+        return f"add:{min(a, b)}+{max(a, b)}"
+
+    def is_heldout(self, problem: tuple[int, int]) -> bool:
+        return heldout.heldout(self.problem_key(problem), self.heldout_fraction)
+
+    def _candidates(self, seed: int, index: int):
+        """The endless operand stream of (seed, index), drawn in chunks from one generator."""
         g = torch.Generator().manual_seed(seed * 1_000_003 + index * 7919 + 17)
-        return self.sample_operands(n, g)
+        while True:
+            yield from self.sample_operands(256, g)
+
+    def operands_for(self, seed: int, index: int, n: int, *, want_heldout: bool = False,
+                     distinct: bool = False, what: str = "addition problems"
+                     ) -> list[tuple[int, int]]:
+        """Deterministic operands for (seed, index) on one side of the held-out split: the data
+        stream of iteration `index` (training side unless `want_heldout`)."""
+        return heldout.draw(self._candidates(seed, index), self.problem_key, n,
+                            fraction=self.heldout_fraction, want_heldout=want_heldout,
+                            distinct=distinct, what=what)
 
     # ---- the task interface used by the trainer (shared with jsonl_task.JsonlTask)
 
@@ -145,12 +174,14 @@ class AdditionTask:
         return self.operands_for(seed, index, n)
 
     def eval_problems(self, seed: int, n: int) -> list[tuple[int, int]]:
-        return self.operands_for(seed, -1, n)
+        """`n` distinct held-out facts (never in a training stream)."""
+        return self.operands_for(seed, -1, n, want_heldout=True, distinct=True,
+                                 what="evaluation problems (train.eval_prompts)")
 
     def probe_problems(self, seed: int, n: int) -> list[tuple[int, int]]:
         """The warm-up's stopping probe (warmup.stop_at_accuracy): a stream of its own, so the
-        evaluation prompts never decide when RL starts."""
-        return self.operands_for(seed, -2, n)
+        evaluation prompts never decide when RL starts; training side of the split)."""
+        return self.operands_for(seed, -2, n, what="probe problems (warmup.probe_prompts)")
 
     def prompt_ids(self, problem: tuple[int, int]) -> list[int]:
         return self.prompt(*problem)

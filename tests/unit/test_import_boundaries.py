@@ -29,7 +29,7 @@ PAGED_STASH = "megatron.core.transformer.moe.ops.paged_stash"  # megatron_pdm/tr
 
 # unit -> units it may import (besides itself). "face" is megatron_pdm/__init__.
 PURE = {"configtree", "configfile", "fsutil", "arch", "layout", "config", "cli", "triton_stub",
-        "netutil"}
+        "netutil", "significance"}
 ALLOWED = {
     "face": {"ops", "parallel", "loss", "config", "triton_stub"},
     "triton_stub": set(),
@@ -42,6 +42,7 @@ ALLOWED = {
     "cli": {"configtree"},
     "metrics": set(),
     "netutil": set(),
+    "significance": set(),
     "ops": set(),
     "parallel": {"ops"},
     "loss": {"ops", "config", "configtree", "metrics"},
@@ -49,10 +50,10 @@ ALLOWED = {
               "triton_stub"},
     "convert": {"arch", "configtree", "layout", "mcore", "ops", "netutil"},
     "analysis": {"ops", "parallel", "loss", "config", "configtree", "metrics", "arch", "mcore",
-                 "rollout_bridge", "rb.core", "train", "cli"},
+                 "rollout_bridge", "rb.core", "train", "cli", "significance"},
     "train": {"ops", "parallel", "loss", "config", "configtree", "configfile", "metrics", "arch",
               "layout", "mcore", "convert", "cli", "netutil", "rollout_bridge", "rb.core", "rb.sglang",
-              "rb.vllm", "rb.local"},
+              "rb.vllm", "rb.local", "significance"},
     # rollout_bridge: the package face (lazy re-exports), the engine-independent core, one
     # subpackage per engine. The engines share only core; core knows no engine.
     "rollout_bridge": {"rb.core", "rb.sglang", "rb.vllm", "rb.local"},
@@ -62,7 +63,7 @@ ALLOWED = {
     "rb.local": {"rb.core", "ops"},
     "tools": {"ops", "parallel", "loss", "config", "configtree", "fsutil", "metrics", "arch",
               "layout", "mcore", "convert", "cli", "rollout_bridge", "rb.core", "rb.sglang",
-              "rb.vllm", "rb.local", "train", "analysis"},
+              "rb.vllm", "rb.local", "train", "analysis", "significance"},
 }
 
 
