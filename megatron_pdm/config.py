@@ -205,6 +205,9 @@ def _flatten(tree: dict, prefix: str = "") -> list[tuple[str, Any]]:
 
 
 PRESETS: dict[str, dict[str, Any]] = {
+    # No trust region: importance-weighted policy gradient A * r * grad log pi_k, no clip, no
+    # mask, no ratio cap (the baseline of the stability benchmark, docs/stability.md).
+    "is-pg": dict(proximity="none", direction="ratio", ratio_cap=math.inf),
     # GRPO clip-higher: eps_low 0.2 / eps_high 0.28 [P-DPPO App. C.1; C-verl]; C = inf in the
     # sanity study [P-DPPO App. C.1]. Proximity |r-1| + ratio direction is exactly PPO's clip.
     "grpo": dict(proximity="ratio", direction="ratio", delta_low=0.2, delta_high=0.28),

@@ -34,6 +34,9 @@ DRPO_WEIGHT_MEAN = "pdm/drpo_weight_mean"
 """Mean DRPO weight w over loss tokens (only with shaping='drpo')."""
 ABS_LOGPROB_DIFF = "mismatch/abs_logprob_diff"
 """Mean |log pi_k - log mu_k| over loss tokens."""
+SAMPLED_KL = "mismatch/sampled_kl"
+"""Mean of (r - 1) - log r over loss tokens (r = pi_k / mu_k, log r clamped as the loss does):
+the non-negative unbiased estimate of KL(mu || pi) from tokens sampled from mu."""
 LOSS_PG = "loss/pg"
 """Policy-gradient surrogate: sum of per-token losses and the number of loss tokens."""
 TOKENS_LOSS = "tokens/loss"
@@ -45,6 +48,14 @@ SFT_LOSS = "sft/loss"
 STEP = "step"
 ITERATION = "iteration"
 MINIBATCH = "minibatch"
+EPOCH = "epoch"
+"""Pass over the rollout batch (train.epochs_per_batch), 0-based."""
+STEPS_THIS_BATCH = "train/steps_this_batch"
+"""Optimizer steps taken on the iteration's rollout batch so far, this one included (counted
+where the step runs; the last row of an iteration holds steps per batch)."""
+ENTROPY_SAMPLED = "rollout/entropy"
+"""Mean of -log mu over the batch's sampled response tokens: the Monte-Carlo estimate of the
+per-token entropy of the (tempered) rollout policy."""
 LR = "lr"
 GRAD_NORM = "grad_norm"
 REWARD_MEAN = "reward/mean"
@@ -70,7 +81,7 @@ ALL_KEYS = (
     MASKED_FRAC, MASKED_FRAC_POS_ADV, MASKED_FRAC_NEG_ADV, OUT_OF_REGION_FRAC,
     DIRECTION_DISAGREE_FRAC, DIRECTION_UNCERTAIN_FRAC, DIVERGENCE_MEAN, TOPK_KL_MEAN,
     TOPK_TV_MEAN, PI_TAIL_MEAN, MU_TAIL_MEAN, ABS_PROB_DIFF, RATIO_MEAN, DRPO_WEIGHT_MEAN,
-    ABS_LOGPROB_DIFF, LOSS_PG,
+    ABS_LOGPROB_DIFF, SAMPLED_KL, LOSS_PG,
 )
 
 

@@ -43,7 +43,8 @@ Metrics (all tensor([sum, count]), detached; keys in metrics.py): pdm/masked_fra
 pdm/masked_frac_pos_adv, pdm/masked_frac_neg_adv, pdm/out_of_region_frac,
 pdm/direction_disagree_frac, pdm/direction_uncertain_frac, pdm/divergence_mean, pdm/topk_kl_mean,
 pdm/topk_tv_mean, pdm/pi_tail_mean, pdm/mu_tail_mean, pdm/abs_prob_diff, pdm/ratio_mean,
-mismatch/abs_logprob_diff, loss/pg, and pdm/drpo_weight_mean with shaping="drpo".
+mismatch/abs_logprob_diff, mismatch/sampled_kl, loss/pg, and pdm/drpo_weight_mean with
+shaping="drpo".
 
 Shape legend: N tokens.
 """
@@ -248,6 +249,11 @@ def _num_sequences(seq_ids_N: torch.Tensor, live_N: torch.Tensor) -> torch.Tenso
     return (starts_N & (sorted_N >= 0)).sum()
 
 
+def _k3(ratio_N: torch.Tensor) -> torch.Tensor:
+    """(r - 1) - log r per token: >= 0, unbiased for KL(mu || pi) under tokens drawn from mu."""
+    return (ratio_N - 1.0) - ratio_N.log()
+
+
 def _metrics(stats: TokenStats, t: _Terms, cfg: PolicyLossConfig,
              per_token_loss_N: torch.Tensor) -> dict[str, torch.Tensor]:
     dtype = stats.pi_k.dtype
@@ -275,6 +281,7 @@ def _metrics(stats: TokenStats, t: _Terms, cfg: PolicyLossConfig,
         M.ABS_PROB_DIFF: M.sum_count((stats.pi_k - t.logmu_k.exp()).abs(), lm_N, mdtype),
         M.RATIO_MEAN: M.sum_count(t.ratio, lm_N, mdtype),
         M.ABS_LOGPROB_DIFF: M.sum_count(t.raw_log_ratio.abs(), lm_N, mdtype),
+        M.SAMPLED_KL: M.sum_count(_k3(t.ratio), lm_N, mdtype),
         M.LOSS_PG: M.sum_count(per_token_loss_N, lm_N, mdtype),
     }
     if cfg.shaping == "drpo":

@@ -20,6 +20,9 @@ sglang_rollout.py) or vLLM (`rollout.engine: vllm`, vllm_rollout.py), which work
 
 from __future__ import annotations
 
+from collections import deque
+from contextlib import contextmanager, nullcontext
+
 import torch
 import torch.distributed as dist
 
@@ -56,6 +59,12 @@ class GatheredGPT(torch.nn.Module):
         return logits_blv
 
 
+def latest_weights(rollout):
+    """Context: the rollout source with its newest weights (LocalRollout with staleness), else
+    as it is."""
+    return rollout.latest() if hasattr(rollout, "latest") else nullcontext()
+
+
 def engine_weights(trainer_module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The trainer's local parameters under the engine copy's names (`gpt.` prefix)."""
     return {f"gpt.{name}": p.detach() for name, p in trainer_module.named_parameters()}
@@ -82,7 +91,7 @@ def build_rollout(cfg, arch, tconfig, task, trainer_module_fn, *, meta: dict | N
                           seed=cfg.seed, rollout_precision=r.rollout_precision,
                           eos_id=task.eos_id, pad_id=task.pad_id, tp_size=cfg.parallel.tp,
                           fp8_block_size=None if r.fp8_scales == "tensor" else 128)
-    return LocalRollout(engine, trainer_module_fn)
+    return LocalRollout(engine, trainer_module_fn, staleness=r.staleness)
 
 
 def build_engine(rollout_gpt: torch.nn.Module, *, vocab_size: int, top_logprobs: int,
@@ -99,20 +108,54 @@ def build_engine(rollout_gpt: torch.nn.Module, *, vocab_size: int, top_logprobs:
 
 
 class LocalRollout:
-    """Rollouts from the in-process engine copy (all ranks in lockstep)."""
+    """Rollouts from the in-process engine copy (all ranks in lockstep).
 
-    def __init__(self, engine: LocalEngine, trainer_module_fn):
+    `staleness` k > 0 (rollout.staleness): every sync appends a copy of this rank's trainer
+    weights to a queue of the last k + 1 versions and loads the OLDEST into the engine, so
+    rollouts come from the policy k versions behind (fewer while fewer exist). `latest()` loads
+    the newest copy for the duration of a block (evaluations) and puts the stale one back.
+    """
+
+    def __init__(self, engine: LocalEngine, trainer_module_fn, *, staleness: int = 0):
         self.engine = engine
         self._module = trainer_module_fn
+        self.staleness = int(staleness)
+        self._queue: deque[tuple[str, dict[str, torch.Tensor]]] = deque(maxlen=staleness + 1)
 
     def generate(self, prompt_ids: list[list[int]], params: dict, n: int) -> RolloutBatch:
         return self.engine.generate(prompt_ids, params, n=n)
 
     def sync(self, version: str) -> None:
-        self.engine.update_weights(engine_weights(self._module()), version=version)
+        weights = engine_weights(self._module())
+        if not self.staleness:
+            self.engine.update_weights(weights, version=version)
+            return
+        copy_ = (version, {k: v.clone() for k, v in weights.items()})
+        if self._queue and self._queue[-1][0] == version:
+            self._queue[-1] = copy_  # a re-push of the same version (after the warm-up)
+        else:
+            self._queue.append(copy_)
+        old_version, old = self._queue[0]
+        self.engine.update_weights(old, version=old_version)
+
+    @contextmanager
+    def latest(self):
+        """The newest synced weights in the engine inside the block (no-op when on-policy)."""
+        if not self.staleness or len(self._queue) < 2:
+            yield
+            return
+        self.engine.update_weights(self._queue[-1][1], version=self._queue[-1][0])
+        try:
+            yield
+        finally:
+            self.engine.update_weights(self._queue[0][1], version=self._queue[0][0])
 
     def state_dict(self) -> dict:
         return self.engine.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
+        if self.staleness:
+            raise ValueError(f"rollout.staleness={self.staleness}: the queue of old weight "
+                             "copies is not checkpointed, so this run cannot be resumed "
+                             "(start it again without --resume)")
         self.engine.load_state_dict(state)

@@ -73,11 +73,12 @@ def forward_backward(model, optimizer, microbatches: list[MicroBatch],
 
 
 def minibatch_plan(seed: int, iteration: int, num_samples: int,
-                   num_minibatches: int) -> tuple[torch.Tensor, ...]:
+                   num_minibatches: int, *, epoch: int = 0) -> tuple[torch.Tensor, ...]:
     """The driver's minibatches of one iteration: a permutation of the batch's sample indices
-    seeded by (seed, iteration), split into `num_minibatches` chunks `[~num_samples / m]`. The
-    trainer and the mask study both take their minibatches from here."""
-    g = torch.Generator().manual_seed(seed * 31 + iteration)
+    seeded by (seed, iteration, epoch), split into `num_minibatches` chunks `[~num_samples / m]`.
+    The trainer and the mask study both take their minibatches from here; epoch 0 is the
+    permutation of runs without epochs."""
+    g = torch.Generator().manual_seed(seed * 31 + iteration + epoch * 1_000_003)
     return torch.randperm(num_samples, generator=g).chunk(num_minibatches)
 
 

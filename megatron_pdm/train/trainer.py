@@ -7,7 +7,8 @@ One iteration:
 2. Reward and Dr.GRPO advantages: reward minus the group mean, no std scaling.
 3. `pack_padded` gives the row-aligned batch (the t-1 -> t shift happens there once); the batch
    carries the rollout's temperature, vocabulary and validation state to the loss.
-4. `minibatches_per_iteration` optimizer steps over a fixed permutation of the samples; each
+4. `epochs_per_batch` passes, each `minibatches_per_iteration` optimizer steps over a fresh
+   permutation of the samples (epoch 0's is the same as before epochs existed); each
    data-parallel rank takes its slice of the minibatch, split into micro-batches, and megatron's
    schedule runs our `loss_func` (mcore/loss_adapter.py) under TP/SP/EP/PP (schedule.py).
    Only the first step is on-policy w.r.t. the engine's weights; later ones are stale, which with
@@ -195,7 +196,8 @@ class Trainer:
     # ------------------------------------------------------------------ phases
 
     def _greedy_accuracy(self, problems: list) -> float:
-        batch = self._generate(problems, 0.0, 1)
+        with ro.latest_weights(self.rollout):  # rollout.staleness: evaluate the newest policy
+            batch = self._generate(problems, 0.0, 1)
         return sum(self.task.score(q, s.response_ids.tolist())
                    for q, s in zip(problems, batch.samples)) / len(problems)
 
@@ -261,14 +263,18 @@ class Trainer:
         packed = pack_padded(batch, group_advantages(batch), pad_id=self.task.pad_id,
                              pad_to_multiple_of=ms.seq_multiple(cfg))
         t_rollout = time.time() - t0
-        minibatches = sched.minibatch_plan(cfg.seed, self.iteration, len(batch.samples),
-                                           cfg.train.minibatches_per_iteration)
+        plan = [(e, j, idx) for e in range(cfg.train.epochs_per_batch)
+                for j, idx in enumerate(sched.minibatch_plan(
+                    cfg.seed, self.iteration, len(batch.samples),
+                    cfg.train.minibatches_per_iteration, epoch=e))]
+        entropy = _sampled_entropy(batch)
         version = (float(batch.weight_version) if str(batch.weight_version).isdigit()
                    else float("nan"))
         staleness = self.iteration - version  # trainer weights = version str(self.iteration)
         t_rollout += self._ready_wait_s
         last: dict = {}
-        for j, idx in enumerate(minibatches):
+        steps_this_batch = 0
+        for e, j, idx in plan:
             t1 = time.time()
             mbs = [packed.select_rows(m) for m in self._dp_microbatches(idx)]
             lr = rl_lr(cfg.train, self.step)  # from the step count: a resume continues it
@@ -276,13 +282,15 @@ class Trainer:
             means, grad_norm = self._step(
                 mbs, lambda mb: loss_adapter.make_loss_func(mb, cfg.loss, head=self.head))
             self.step += 1
+            steps_this_batch += 1
             last = {M.STEP: self.step, M.ITERATION: self.iteration, M.MINIBATCH: j,
+                    M.EPOCH: e, M.STEPS_THIS_BATCH: steps_this_batch, M.ENTROPY_SAMPLED: entropy,
                     M.REWARD_MEAN: sum(rewards) / len(rewards),
                     M.REWARD_FRAC_SOLVED_GROUPS: _frac_solved(rewards, r.group_size),
                     M.RESPONSE_LEN: float(packed.loss_mask.sum()) / len(batch.samples),
                     M.LR: lr, M.GRAD_NORM: grad_norm, **means,
                     M.WEIGHT_VERSION: version, M.STALENESS: staleness,
-                    M.TIME_ROLLOUT: t_rollout if j == 0 else 0.0,
+                    M.TIME_ROLLOUT: t_rollout if steps_this_batch == 1 else 0.0,
                     M.TIME_TRAIN_STEP: time.time() - t1, M.NUM_SAMPLES: len(batch.samples),
                     M.TIME_UNIX: time.time()}
             writer.write(last)
@@ -376,6 +384,16 @@ def _encode_ready(ready) -> bytes | None:
 
 def _decode_ready(blob: bytes | None):
     return None if blob is None else rollout_store.decode_batch(blob)
+
+
+def _sampled_entropy(batch) -> float:
+    """Mean -log mu over the sampled response tokens (loss tokens) of the batch."""
+    total, count = 0.0, 0
+    for s in batch.samples:
+        lp_T = s.behavior_logprob if s.loss_mask is None else s.behavior_logprob[s.loss_mask]
+        total += float(-lp_T.double().sum())
+        count += int(lp_T.numel())
+    return total / max(count, 1)
 
 
 def _frac_solved(rewards: list[float], group: int) -> float:
