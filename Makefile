@@ -15,7 +15,7 @@ NPROC   ?= 2
 # two runs on one machine never collide and no chosen port can be taken in between.
 TORCHRUN_PORT = $(if $(MASTER_PORT),--master-port $(MASTER_PORT),--standalone --local-addr 127.0.0.1)
 
-.PHONY: demo test bench venv clean vllm-venv demo-vllm real-model demo-real
+.PHONY: demo test bench venv clean vllm-venv demo-vllm real-model demo-real stability
 
 $(STAMP): setup.py constraints/ci.txt
 	$(PY) -m venv $(VENV)
@@ -34,6 +34,12 @@ demo: $(STAMP)
 		$(TORCHRUN_PORT) -m megatron_pdm.train \
 		--config examples/tiny_cpu/config.yaml --set checkpoint.allow_fresh_start=true \
 		$(if $(SEED),--set seed=$(SEED)) $(ARGS)
+
+# make stability [ARGS="--smoke" | "--settings base stale8 --seeds 1 2 3"]: the trust-region
+# stability grid (docs/stability.md), into results/stability/full unless ARGS has --output-dir.
+# A killed grid resumes: finished cells (records.jsonl) are skipped.
+stability: $(STAMP)
+	OMP_NUM_THREADS=1 nice -n 5 $(VPY) -m megatron_pdm.tools.stability $(ARGS)
 
 # The megatron-facing tests also run on the newest megatron-core (MCORE_LATEST_TESTS, on Python
 # 3.12, venv .cache/py312-mcore019 built by scripts/check_mcore_latest.sh beside the other envs,

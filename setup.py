@@ -58,6 +58,7 @@ CONSOLE_SCRIPTS = [
     "megatron-pdm-verify-conversion = megatron_pdm.tools.verify_conversion:main",
     "megatron-pdm-analyze-masks = megatron_pdm.tools.analyze_masks:cli",
     "megatron-pdm-prepare-real-model = megatron_pdm.tools.prepare_real_model:main",
+    "megatron-pdm-stability = megatron_pdm.tools.stability:cli",
 ]
 
 setup(

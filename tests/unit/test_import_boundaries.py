@@ -61,7 +61,8 @@ ALLOWED = {
     "rb.sglang": {"rb.core", "ops"},
     "rb.vllm": {"rb.core", "ops"},
     "rb.local": {"rb.core", "ops"},
-    "tools": {"ops", "parallel", "loss", "config", "configtree", "fsutil", "metrics", "arch",
+    "stability": {"train", "metrics", "significance", "cli", "configtree"},
+    "tools": {"stability", "ops", "parallel", "loss", "config", "configtree", "fsutil", "metrics", "arch",
               "layout", "mcore", "convert", "cli", "rollout_bridge", "rb.core", "rb.sglang",
               "rb.vllm", "rb.local", "train", "analysis", "significance"},
 }

@@ -1,0 +1,93 @@
+"""The benchmark's grid: methods (loss presets), stress settings (driver config overrides), sizes.
+
+Every stress setting is plain driver config keys (train.epochs_per_batch, rollout.staleness,
+rollout.rollout_precision, train.lr), so any cell can be rerun by hand with `--set`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# method name -> loss preset (megatron_pdm/config.py PRESETS; thresholds as the papers recommend)
+METHODS: dict[str, str] = {
+    "no-trust-region": "is-pg",
+    "grpo-clip-higher": "grpo",
+    "dppo-binary-tv": "dppo-binary-tv",
+    "dppo-topk-tv": "dppo-topk-tv",
+    "dppo-topk-kl": "dppo-topk-kl",
+    "pdm-agg": "pdm-agg",
+    "pdm-uniform": "pdm-uniform",
+    "pdm-exact": "pdm-exact",
+    "drpo": "drpo",
+}
+
+BASE_LR = 3e-4  # examples/tiny_cpu/config.yaml train.lr
+
+# setting name -> driver overrides. "base": one epoch, on-policy, bf16 engine, 1x lr.
+SETTINGS: dict[str, list[str]] = {
+    "base": [],
+    "epochs4": ["train.epochs_per_batch=4"],
+    "epochs16": ["train.epochs_per_batch=16"],
+    "stale2": ["rollout.staleness=2"],
+    "stale8": ["rollout.staleness=8"],
+    "engine-fp32": ["rollout.rollout_precision=fp32"],
+    "engine-fp8": ["rollout.rollout_precision=fp8"],
+    "lr4x": [f"train.lr={4 * BASE_LR}"],
+    # the smoke setting: both queue-based keys at once, measurable within 2 iterations
+    "smoke-stale1-epochs2": ["rollout.staleness=1", "train.epochs_per_batch=2"],
+}
+DEFAULT_SETTINGS = [s for s in SETTINGS if not s.startswith("smoke")]
+SMOKE_METHODS = ["no-trust-region", "pdm-agg"]
+SMOKE_SETTINGS = ["smoke-stale1-epochs2"]
+
+# Sizes of every run (TP=1, one process: cheaper than TP=2 for the tiny model).
+SIZES: list[str] = [
+    "parallel.tp=1", "train.iterations=30", "train.minibatches_per_iteration=1",
+    "rollout.prompts_per_iteration=16", "rollout.group_size=8", "train.eval_prompts=128",
+    "log.plot=false", "log.progress=false", "log.tensorboard=false",
+    "checkpoint.save_interval=0", "checkpoint.allow_fresh_start=true",
+]
+SMOKE_SIZES: list[str] = [
+    "parallel.tp=1", "train.iterations=2", "train.minibatches_per_iteration=1",
+    "rollout.prompts_per_iteration=4", "rollout.group_size=4", "train.eval_prompts=16",
+    "log.plot=false", "log.progress=false", "log.tensorboard=false",
+    "checkpoint.save_interval=0", "checkpoint.allow_fresh_start=true",
+]
+SMOKE_WARMUP: list[str] = ["warmup.steps=10", "warmup.batch_size=16",
+                           "warmup.stop_at_accuracy=null"]
+
+
+@dataclass(frozen=True)
+class Cell:
+    method: str
+    setting: str
+    seed: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.method}__{self.setting}__s{self.seed}"
+
+
+@dataclass
+class Grid:
+    methods: list[str]
+    settings: list[str]
+    seeds: list[int]
+    sizes: list[str] = field(default_factory=lambda: list(SIZES))
+
+    def __post_init__(self) -> None:
+        for kind, names, known in (("method", self.methods, METHODS),
+                                   ("setting", self.settings, SETTINGS)):
+            bad = [n for n in names if n not in known]
+            if bad:
+                raise ValueError(f"unknown {kind}(s) {bad}; known: {sorted(known)}")
+        if not self.seeds:
+            raise ValueError("the grid needs at least one seed")
+
+    def cells(self) -> list[Cell]:
+        """Seed-major order: a grid stopped early has complete method sets for its first seeds."""
+        return [Cell(m, s, seed) for seed in self.seeds for s in self.settings
+                for m in self.methods]
+
+    def overrides(self, cell: Cell) -> list[str]:
+        return [*self.sizes, *SETTINGS[cell.setting], f"seed={cell.seed}"]

@@ -1,0 +1,124 @@
+"""results.json, results.md and the curve plots of a grid's records."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+from statistics import fmean, stdev
+
+from megatron_pdm.stability import summary as S
+
+SCHEMA = 1
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _fmt(v: float, digits: int = 3) -> str:
+    return "nan" if not math.isfinite(v) else f"{v:.{digits}f}"
+
+
+def cell_table(records: list[dict]) -> list[dict]:
+    """One row per (setting, method): seed means and spreads of the end outcomes."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in records:
+        groups.setdefault((r["setting"], r["method"]), []).append(r)
+    rows = []
+    for (setting, method), rs in sorted(groups.items()):
+        row = {"setting": setting, "method": method, "seeds": sorted(r["seed"] for r in rs),
+               "collapsed": sum(r["collapse"]["collapsed"] for r in rs),
+               "measured_staleness_max": max(r["measured"]["staleness_max"] for r in rs),
+               "measured_steps_per_batch": max(r["measured"]["steps_per_batch"] for r in rs)}
+        for name in ("greedy_acc_before_rl", *S.END_OUTCOMES):
+            vals = [r["end"][name] for r in rs if math.isfinite(r["end"][name])]
+            row[name] = fmean(vals) if vals else float("nan")
+            row[name + "_sd"] = stdev(vals) if len(vals) > 1 else float("nan")
+        rows.append(row)
+    return rows
+
+
+def write(out: str, records: list[dict], *, command: str, grid: dict, baseline: str,
+          resamples: int = 20000, plots: bool = True) -> dict:
+    comparisons = S.compare(records, baseline=baseline, resamples=resamples)
+    result = {"schema": SCHEMA, "command": command, "grid": grid,
+              "machine": {"cpu": _cpu_model(), "threads": os.environ.get("OMP_NUM_THREADS"),
+                          "cpus": os.cpu_count()},
+              "collapse_rule": {"acc_drop": S.ACC_DROP, "reward_fraction": S.REWARD_FRACTION,
+                                "window": S.WINDOW},
+              "cells": cell_table(records), "comparisons": comparisons, "runs": records}
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(result, f, indent=1, sort_keys=True, default=str)
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write(markdown(result))
+    if plots:
+        plot(records, os.path.join(out, "curves.png"))
+    return result
+
+
+def markdown(result: dict) -> str:
+    lines = [f"# Stability grid results\n", f"Command: `{result['command']}`  ",
+             f"Machine: {result['machine']['cpu']}, OMP_NUM_THREADS="
+             f"{result['machine']['threads']}, {result['machine']['cpus']} CPUs  ",
+             f"Collapse rule: {result['collapse_rule']}\n",
+             "| setting | method | seeds | greedy acc before -> after RL (sd) | reward end | "
+             "sampled KL end | masked frac end | entropy end | grad norm end | collapsed | "
+             "staleness max | steps/batch |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c in result["cells"]:
+        lines.append(
+            f"| {c['setting']} | {c['method']} | {len(c['seeds'])} | "
+            f"{_fmt(c['greedy_acc_before_rl'])} -> {_fmt(c['greedy_acc_after_rl'])} "
+            f"({_fmt(c['greedy_acc_after_rl_sd'])}) | {_fmt(c['reward_end'])} | "
+            f"{_fmt(c['sampled_kl_end'], 5)} | {_fmt(c['masked_frac_end'], 4)} | "
+            f"{_fmt(c['entropy_end'])} | {_fmt(c['grad_norm_end'])} | "
+            f"{c['collapsed']}/{len(c['seeds'])} | {_fmt(c['measured_staleness_max'], 0)} | "
+            f"{_fmt(c['measured_steps_per_batch'], 0)} |")
+    lines += ["", "Paired by seed against the baseline; CI: paired bootstrap 95%; p: sign-flip "
+              "test; Holm over all rows.\n",
+              "| setting | method - baseline | outcome | n | mean diff | 95% CI | p | p Holm | "
+              "verdict |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in result["comparisons"]:
+        ci = ("n/a" if r["ci95"] is None else
+              f"[{_fmt(r['ci95'][0])}, {_fmt(r['ci95'][1])}]")
+        lines.append(f"| {r['setting']} | {r['method']} - {r['baseline']} | {r['outcome']} | "
+                     f"{r['n_seeds']} | {_fmt(r['mean_diff'])} | {ci} | {_fmt(r['p'])} | "
+                     f"{_fmt(r['p_holm'])} | {r['verdict']} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(records: list[dict], path: str) -> None:
+    """Seed-mean curves: one row of panels per setting (reward, sampled KL, entropy, grad norm)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    settings = sorted({r["setting"] for r in records})
+    panels = ("reward", "sampled_kl_first_step", "entropy", "grad_norm")
+    fig, axes = plt.subplots(len(settings), len(panels), squeeze=False,
+                             figsize=(4 * len(panels), 2.6 * len(settings)))
+    for i, setting in enumerate(settings):
+        methods = sorted({r["method"] for r in records if r["setting"] == setting})
+        for j, panel in enumerate(panels):
+            ax = axes[i][j]
+            for method in methods:
+                cs = [r["curves"][panel] for r in records
+                      if r["setting"] == setting and r["method"] == method]
+                n = min(len(c) for c in cs)
+                ax.plot([fmean(c[t] for c in cs) for t in range(n)], label=method)
+            ax.set_title(f"{setting}: {panel}", fontsize=8)
+            if i == 0 and j == 0:
+                ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)

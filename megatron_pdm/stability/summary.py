@@ -1,0 +1,141 @@
+"""Per-run outcomes (curves, end numbers, the collapse flag) and paired method comparisons.
+
+Collapse (pre-registered, fixed before any grid run; docs/stability.md): a run collapsed when
+  (a) any optimizer step logged a non-finite policy loss or gradient norm, or
+  (b) its greedy held-out accuracy after RL is more than ACC_DROP below its accuracy before RL, or
+  (c) its mean training reward over the last WINDOW iterations is below REWARD_FRACTION of its
+      mean over the first WINDOW iterations (only when that start mean is > 0).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from statistics import fmean
+
+from megatron_pdm import metrics as M
+from megatron_pdm import significance as sig
+from megatron_pdm.train.logging_utils import read_metrics
+
+ACC_DROP = 0.10
+REWARD_FRACTION = 0.5
+WINDOW = 5
+
+# curve name -> (metric key, how the steps of one iteration are combined)
+CURVES = {
+    "reward": (M.REWARD_MEAN, "last"),
+    "sampled_kl_first_step": (M.SAMPLED_KL, "first"),
+    "sampled_kl": (M.SAMPLED_KL, "mean"),
+    "masked_frac": (M.MASKED_FRAC, "mean"),
+    "entropy": (M.ENTROPY_SAMPLED, "last"),
+    "grad_norm": (M.GRAD_NORM, "mean"),
+    "staleness": (M.STALENESS, "last"),
+    "steps_per_batch": (M.STEPS_THIS_BATCH, "max"),
+}
+END_OUTCOMES = ("greedy_acc_after_rl", "reward_end", "sampled_kl_end", "masked_frac_end",
+                "entropy_end", "grad_norm_end")
+
+
+def _num(v) -> float:
+    return float(v) if isinstance(v, (int, float)) else float("nan")
+
+
+def _combine(values: list[float], how: str) -> float:
+    finite = [v for v in values if math.isfinite(v)]
+    if how == "first":
+        return values[0] if values else float("nan")
+    if how == "last":
+        return values[-1] if values else float("nan")
+    if not finite:
+        return float("nan")
+    return max(finite) if how == "max" else fmean(finite)
+
+
+def curves(rows: list[dict]) -> dict[str, list[float]]:
+    """One value per iteration for every CURVES entry."""
+    by_it: dict[int, list[dict]] = {}
+    for r in rows:
+        by_it.setdefault(int(r[M.ITERATION]), []).append(r)
+    out: dict[str, list[float]] = {}
+    for name, (key, how) in CURVES.items():
+        out[name] = [_combine([_num(r.get(key)) for r in by_it[i]], how) for i in sorted(by_it)]
+    return out
+
+
+def _window_mean(values: list[float], tail: bool) -> float:
+    part = values[-WINDOW:] if tail else values[:WINDOW]
+    finite = [v for v in part if math.isfinite(v)]
+    return fmean(finite) if finite else float("nan")
+
+
+def collapse(rows: list[dict], c: dict[str, list[float]], acc_before: float,
+             acc_after: float) -> dict:
+    """The pre-registered collapse flag with the reason(s) it fired."""
+    reasons = []
+    if any(not math.isfinite(_num(r.get(M.GRAD_NORM))) or
+           not math.isfinite(_num(r.get(M.LOSS_PG, 0.0))) for r in rows):
+        reasons.append("non-finite loss or gradient norm")
+    if math.isfinite(acc_before) and math.isfinite(acc_after) and acc_after < acc_before - ACC_DROP:
+        reasons.append(f"greedy accuracy fell {acc_before - acc_after:.3f} > {ACC_DROP}")
+    start, end = _window_mean(c["reward"], False), _window_mean(c["reward"], True)
+    if start > 0 and end < REWARD_FRACTION * start:
+        reasons.append(f"reward fell to {end / start:.2f} of its start")
+    return {"collapsed": bool(reasons), "reasons": reasons}
+
+
+def run_record(run_dir: str, cell, *, wall_s: float) -> dict:
+    """The record of one finished run (what records.jsonl holds)."""
+    rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        s = json.load(f)
+    c = curves(rows)
+    before, after = _num(s.get("greedy_acc_before_rl")), _num(s.get("greedy_acc_after_rl"))
+    end = {"greedy_acc_before_rl": before, "greedy_acc_after_rl": after,
+           "reward_end": _window_mean(c["reward"], True),
+           "sampled_kl_end": _window_mean(c["sampled_kl_first_step"], True),
+           "masked_frac_end": _window_mean(c["masked_frac"], True),
+           "entropy_end": _window_mean(c["entropy"], True),
+           "grad_norm_end": _window_mean(c["grad_norm"], True)}
+    return {"cell": cell.name, "method": cell.method, "setting": cell.setting, "seed": cell.seed,
+            "preset": s.get("preset"), "wall_s": wall_s, "end": end, "curves": c,
+            "collapse": collapse(rows, c, before, after),
+            "measured": {"staleness_max": max(c["staleness"], default=float("nan")),
+                         "steps_per_batch": max(c["steps_per_batch"], default=float("nan"))}}
+
+
+def compare(records: list[dict], *, baseline: str, outcomes=("greedy_acc_after_rl",
+            "reward_end"), resamples: int = 20000) -> list[dict]:
+    """Every method against `baseline` in every setting, paired by seed: mean difference,
+    bootstrap CI, sign-flip p, Holm-adjusted over all rows returned."""
+    cells = {(r["method"], r["setting"], r["seed"]): r for r in records}
+    methods = sorted({r["method"] for r in records} - {baseline})
+    settings = sorted({r["setting"] for r in records})
+    rows, pvals = [], {}
+    for setting in settings:
+        for method in methods:
+            seeds = sorted(s for (m, st, s) in cells if m == method and st == setting
+                           and (baseline, setting, s) in cells)
+            for outcome in outcomes:
+                a = [cells[(method, setting, s)]["end"][outcome] for s in seeds]
+                b = [cells[(baseline, setting, s)]["end"][outcome] for s in seeds]
+                pairs = [(x, y) for x, y in zip(a, b) if math.isfinite(x) and math.isfinite(y)]
+                if not pairs:
+                    continue
+                diffs = [x - y for x, y in pairs]
+                key = f"{setting}:{method}-{baseline}:{outcome}"
+                test = sig.sign_flip_test(diffs, resamples=resamples, seed=0)
+                ci = (sig.paired_bootstrap_ci([x for x, _ in pairs], [y for _, y in pairs],
+                                              resamples=resamples, seed=0)
+                      if len(pairs) > 1 else None)
+                pvals[key] = test["p"]
+                rows.append({"key": key, "setting": setting, "method": method,
+                             "baseline": baseline, "outcome": outcome, "n_seeds": len(pairs),
+                             "mean_diff": fmean(diffs), "ci95": ci, "p": test["p"]})
+    adjusted = sig.holm(pvals) if pvals else {}
+    for r in rows:
+        r["p_holm"] = adjusted[r["key"]]
+        r["verdict"] = ("higher" if r["p_holm"] < 0.05 and r["mean_diff"] > 0 else
+                        "lower" if r["p_holm"] < 0.05 and r["mean_diff"] < 0 else
+                        "no difference")
+    return rows

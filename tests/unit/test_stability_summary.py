@@ -1,0 +1,57 @@
+"""The stability benchmark's pre-registered collapse flag and its paired comparisons."""
+
+from __future__ import annotations
+
+import math
+
+from megatron_pdm import metrics as M
+from megatron_pdm.stability import summary as S
+from megatron_pdm.stability.grid import Grid
+
+
+def _rows(rewards, grad=1.0):
+    return [{M.ITERATION: i, M.REWARD_MEAN: r, M.GRAD_NORM: grad, M.LOSS_PG: 0.1}
+            for i, r in enumerate(rewards)]
+
+
+def test_collapse_fires_on_each_reason_and_not_otherwise():
+    steady = _rows([0.3] * 12)
+    assert not S.collapse(steady, S.curves(steady), 0.3, 0.35)["collapsed"]
+    falling = _rows([0.3] * 6 + [0.05] * 6)
+    assert S.collapse(falling, S.curves(falling), 0.3, 0.3)["collapsed"]
+    assert S.collapse(steady, S.curves(steady), 0.3, 0.15)["collapsed"]  # accuracy drop
+    nan = _rows([0.3] * 12, grad=float("nan"))
+    out = S.collapse(nan, S.curves(nan), 0.3, 0.3)
+    assert out["collapsed"] and "non-finite" in out["reasons"][0]
+
+
+def _record(method, seed, acc):
+    return {"cell": f"{method}__base__s{seed}", "method": method, "setting": "base",
+            "seed": seed, "end": {"greedy_acc_after_rl": acc, "reward_end": acc}}
+
+
+def test_compare_is_paired_and_holm_adjusted():
+    recs = [_record("no-trust-region", s, 0.2 + 0.01 * s) for s in range(8)]
+    recs += [_record("pdm-agg", s, 0.5 + 0.01 * s) for s in range(8)]
+    recs += [_record("grpo-clip-higher", s, 0.2 + 0.01 * s + (0.01 if s % 2 else -0.01))
+             for s in range(8)]
+    rows = {(r["method"], r["outcome"]): r for r in S.compare(recs, baseline="no-trust-region",
+                                                               resamples=2000)}
+    win = rows[("pdm-agg", "greedy_acc_after_rl")]
+    assert math.isclose(win["mean_diff"], 0.3) and win["n_seeds"] == 8
+    assert win["ci95"][0] > 0 and win["verdict"] == "higher" and win["p_holm"] >= win["p"]
+    assert rows[("grpo-clip-higher", "greedy_acc_after_rl")]["verdict"] == "no difference"
+
+
+def test_grid_cells_seed_major_and_checked():
+    g = Grid(["no-trust-region", "pdm-agg"], ["base", "stale2"], [1, 2])
+    cells = g.cells()
+    assert len(cells) == 8 and [c.seed for c in cells[:4]] == [1] * 4
+    assert "rollout.staleness=2" in g.overrides(cells[2]) or "rollout.staleness=2" in \
+        g.overrides(cells[3])
+    try:
+        Grid(["nope"], ["base"], [1])
+    except ValueError as err:
+        assert "nope" in str(err)
+    else:
+        raise AssertionError("unknown method accepted")
