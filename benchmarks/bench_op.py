@@ -38,8 +38,8 @@ peak RSS (VmHWM, reset through /proc/self/clear_refs once the inputs and the log
 the RSS at that point is the "extra peak" a variant needs over its inputs.
 
 Usage:
-  python benchmarks/bench_op.py --tokens 2048 --vocab-local 75968 --threads 1
-  python benchmarks/bench_op.py --tokens 8192 --vocab-local 37984 --tp 4 --dtype bf16 \
+  python benchmarks/bench_op.py --tokens 2048 --vocab-local 76032 --threads 1
+  python benchmarks/bench_op.py --tokens 8192 --vocab-local 38016 --tp 4 --dtype bf16 \
       --inputs realistic,random --threads 2 --json results.jsonl
   python benchmarks/bench_op.py --real --threads 1      # real model, TP 3 shard
 """
@@ -253,8 +253,10 @@ def run(args, kind: str) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=2048)
-    ap.add_argument("--vocab-local", type=int, default=75968,
-                    help="V_local: 75968 = Qwen3 (151936) at TP 2, 37984 at TP 4")
+    ap.add_argument("--vocab-local", type=int, default=76032,
+                    help="V_local: one shard of the padded vocabulary (megatron_pdm.arch."
+                         "padded_vocab_size, divisible_by 128): 76032 = Qwen3 "
+                         "(151936) at TP 2, 38016 at TP 4")
     ap.add_argument("--tp", type=int, default=2, help="TP size (V = V_local * tp)")
     ap.add_argument("--top-k", type=int, default=20)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
