@@ -131,11 +131,17 @@ def compare(records: list[dict], *, baseline: str, outcomes=("greedy_acc_after_r
                 pvals[key] = test["p"]
                 rows.append({"key": key, "setting": setting, "method": method,
                              "baseline": baseline, "outcome": outcome, "n_seeds": len(pairs),
-                             "mean_diff": fmean(diffs), "ci95": ci, "p": test["p"]})
+                             "mean_diff": fmean(diffs), "ci95": ci, "p": test["p"],
+                             "nonzero": test["nonzero"]})
     adjusted = sig.holm(pvals) if pvals else {}
     for r in rows:
         r["p_holm"] = adjusted[r["key"]]
+        # the smallest Holm-adjusted p these seeds can reach: all non-zero differences of one
+        # sign give sign-flip p = 2^(1 - nonzero); below 0.05 only then can a row decide
+        floor = min(1.0, len(pvals) * 2.0 ** (1 - max(r.pop("nonzero"), 1)))
+        r["p_holm_floor"] = floor
         r["verdict"] = ("higher" if r["p_holm"] < 0.05 and r["mean_diff"] > 0 else
                         "lower" if r["p_holm"] < 0.05 and r["mean_diff"] < 0 else
-                        "no difference")
+                        "no difference" if floor < 0.05 else
+                        f"undecided: {r['n_seeds']} seeds cannot reach p < 0.05")
     return rows

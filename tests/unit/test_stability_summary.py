@@ -55,3 +55,12 @@ def test_grid_cells_seed_major_and_checked():
         assert "nope" in str(err)
     else:
         raise AssertionError("unknown method accepted")
+
+
+def test_too_few_seeds_is_undecided_not_no_difference():
+    """2 seeds: the sign-flip p is at least 0.5, so the row cannot say 'no difference'."""
+    recs = [_record("no-trust-region", s, 0.2) for s in range(2)]
+    recs += [_record("pdm-agg", s, 0.4) for s in range(2)]
+    rows = S.compare(recs, baseline="no-trust-region", resamples=200)
+    assert rows and all(r["verdict"].startswith("undecided") for r in rows)
+    assert all(r["p_holm_floor"] == 1.0 for r in rows)
