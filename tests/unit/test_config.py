@@ -39,7 +39,9 @@ def test_preset_defaults():
     assert (t.proximity, t.tail, t.delta_high) == ("topk_tv", "exact", 0.2)
     d = PolicyLossConfig.preset("drpo")
     assert (d.shaping, d.delta_high, d.ratio_cap) == ("drpo", 12.5, math.inf)
-    assert len(PRESETS) == 10
+    nt = PolicyLossConfig.preset("is-pg")          # the stability benchmark's no-trust-region row
+    assert nt.name == "is-pg"
+    assert len(PRESETS) == 11
 
 
 @pytest.mark.parametrize("kwargs,match", [
