@@ -29,6 +29,8 @@ import math
 
 import torch
 
+from megatron_pdm import significance
+
 __all__ = ["bootstrap_mean_ci", "sign_test_p", "summarize"]
 
 _RATES = {  # rate name -> (numerator key, denominator key) in count_seed's criteria entries
@@ -68,12 +70,9 @@ def bootstrap_mean_ci(values: list[float], *, samples: int = 10000, level: float
 
 def sign_test_p(wins: int, losses: int) -> float | None:
     """Two-sided exact binomial p-value of wins vs losses under p = 1/2 (None if both 0)."""
-    n = wins + losses
-    if n == 0:
+    if wins + losses == 0:
         return None
-    k = min(wins, losses)
-    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2.0 ** n
-    return min(1.0, 2.0 * tail)
+    return significance.sign_test([1.0] * wins + [-1.0] * losses)["p"]
 
 
 def _mean(xs: list[float]) -> float | None:
