@@ -48,9 +48,12 @@ def cell_table(records: list[dict]) -> list[dict]:
 
 
 def write(out: str, records: list[dict], *, command: str, grid: dict, baseline: str,
-          resamples: int = 20000, plots: bool = True) -> dict:
-    comparisons = S.compare(records, baseline=baseline, resamples=resamples)
-    result = {"schema": SCHEMA, "command": command, "grid": grid,
+          outcomes=S.DEFAULT_OUTCOMES, primary: str | None = None, resamples: int = 20000,
+          plots: bool = True) -> dict:
+    comparisons = S.compare(records, baseline=baseline, outcomes=outcomes, primary=primary,
+                            resamples=resamples)
+    result = {"schema": SCHEMA, "command": command, "grid": grid, "baseline": baseline,
+              "outcomes": list(outcomes), "primary": primary,
               "machine": {"cpu": _cpu_model(), "threads": os.environ.get("OMP_NUM_THREADS"),
                           "cpus": os.cpu_count()},
               "collapse_rule": {"acc_drop": S.ACC_DROP, "reward_fraction": S.REWARD_FRACTION,
@@ -83,15 +86,18 @@ def markdown(result: dict) -> str:
             f"{_fmt(c['entropy_end'])} | {_fmt(c['grad_norm_end'])} | "
             f"{c['collapsed']}/{len(c['seeds'])} | {_fmt(c['measured_staleness_max'], 0)} | "
             f"{_fmt(c['measured_steps_per_batch'], 0)} |")
-    lines += ["", "Paired by seed against the baseline; CI: paired bootstrap 95%; p: sign-flip "
-              "test; Holm over all rows.\n",
-              "| setting | method - baseline | outcome | n | mean diff | 95% CI | p | p Holm | "
-              "verdict |", "|---|---|---|---|---|---|---|---|---|"]
+    primary = result.get("primary")
+    holm = (f"Holm within each family (primary: the `{primary}` rows, pre-registered; "
+            "secondary: the other rows)" if primary else "Holm over all rows")
+    lines += ["", "Paired by seed against the baseline; CI: paired bootstrap 95% (descriptive); "
+              f"p: two-sided sign-flip (paired permutation) test; {holm}.\n",
+              "| setting | method - baseline | outcome | family | n | mean diff | 95% CI | p | "
+              "p Holm | verdict |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["comparisons"]:
         ci = ("n/a" if r["ci95"] is None else
               f"[{_fmt(r['ci95'][0])}, {_fmt(r['ci95'][1])}]")
         lines.append(f"| {r['setting']} | {r['method']} - {r['baseline']} | {r['outcome']} | "
-                     f"{r['n_seeds']} | {_fmt(r['mean_diff'])} | {ci} | {_fmt(r['p'])} | "
+                     f"{r.get('family', 'all')} | {r['n_seeds']} | {_fmt(r['mean_diff'])} | {ci} | {_fmt(r['p'])} | "
                      f"{_fmt(r['p_holm'])} | {r['verdict']} |")
     return "\n".join(lines) + "\n"
 

@@ -104,10 +104,22 @@ def run_record(run_dir: str, cell, *, wall_s: float) -> dict:
                          "steps_per_batch": max(c["steps_per_batch"], default=float("nan"))}}
 
 
-def compare(records: list[dict], *, baseline: str, outcomes=("greedy_acc_after_rl",
-            "reward_end"), resamples: int = 20000) -> list[dict]:
+DEFAULT_OUTCOMES = ("greedy_acc_after_rl", "reward_end")
+
+
+def compare(records: list[dict], *, baseline: str, outcomes=DEFAULT_OUTCOMES,
+            primary: str | None = None, resamples: int = 20000) -> list[dict]:
     """Every method against `baseline` in every setting, paired by seed: mean difference,
-    bootstrap CI, sign-flip p, Holm-adjusted over all rows returned."""
+    bootstrap CI, sign-flip p, Holm-adjusted within its family.
+
+    Families: without `primary`, every row returned is one family. With `primary` (a
+    pre-registered outcome), the rows of that outcome are the primary family and the other
+    rows the secondary family, each Holm-adjusted on its own; `row["family"]` says which."""
+    unknown = [o for o in outcomes if o not in END_OUTCOMES]
+    if unknown:
+        raise ValueError(f"unknown outcome(s) {unknown}; known: {list(END_OUTCOMES)}")
+    if primary is not None and primary not in outcomes:
+        raise ValueError(f"primary outcome {primary!r} is not among outcomes {list(outcomes)}")
     cells = {(r["method"], r["setting"], r["seed"]): r for r in records}
     methods = sorted({r["method"] for r in records} - {baseline})
     settings = sorted({r["setting"] for r in records})
@@ -133,15 +145,20 @@ def compare(records: list[dict], *, baseline: str, outcomes=("greedy_acc_after_r
                              "baseline": baseline, "outcome": outcome, "n_seeds": len(pairs),
                              "mean_diff": fmean(diffs), "ci95": ci, "p": test["p"],
                              "nonzero": test["nonzero"]})
-    adjusted = sig.holm(pvals) if pvals else {}
     for r in rows:
-        r["p_holm"] = adjusted[r["key"]]
-        # the smallest Holm-adjusted p these seeds can reach: all non-zero differences of one
-        # sign give sign-flip p = 2^(1 - nonzero); below 0.05 only then can a row decide
-        floor = min(1.0, len(pvals) * 2.0 ** (1 - max(r.pop("nonzero"), 1)))
-        r["p_holm_floor"] = floor
-        r["verdict"] = ("higher" if r["p_holm"] < 0.05 and r["mean_diff"] > 0 else
-                        "lower" if r["p_holm"] < 0.05 and r["mean_diff"] < 0 else
-                        "no difference" if floor < 0.05 else
-                        f"undecided: {r['n_seeds']} seeds cannot reach p < 0.05")
+        r["family"] = ("all" if primary is None else
+                       "primary" if r["outcome"] == primary else "secondary")
+    for family in {r["family"] for r in rows}:
+        members = [r for r in rows if r["family"] == family]
+        adjusted = sig.holm({r["key"]: pvals[r["key"]] for r in members})
+        for r in members:
+            r["p_holm"] = adjusted[r["key"]]
+            # the smallest Holm-adjusted p these seeds can reach: all non-zero differences of
+            # one sign give sign-flip p = 2^(1 - nonzero); below 0.05 only then can a row decide
+            floor = min(1.0, len(members) * 2.0 ** (1 - max(r.pop("nonzero"), 1)))
+            r["p_holm_floor"] = floor
+            r["verdict"] = ("higher" if r["p_holm"] < 0.05 and r["mean_diff"] > 0 else
+                            "lower" if r["p_holm"] < 0.05 and r["mean_diff"] < 0 else
+                            "no difference" if floor < 0.05 else
+                            f"undecided: {r['n_seeds']} seeds cannot reach p < 0.05")
     return rows

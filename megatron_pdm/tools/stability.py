@@ -16,6 +16,7 @@ import sys
 
 from megatron_pdm.stability import grid as G
 from megatron_pdm.stability import report, run
+from megatron_pdm.stability import summary as S
 
 DEFAULT_CONFIG = os.path.join("examples", "tiny_cpu", "config.yaml")
 
@@ -31,6 +32,12 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", nargs="+", type=int, default=None, help="default: 1 2 3; "
                    "--smoke: 1 2")
     p.add_argument("--baseline", default="no-trust-region")
+    p.add_argument("--outcomes", nargs="+", default=list(S.DEFAULT_OUTCOMES),
+                   help=f"end outcomes compared against the baseline (known: "
+                        f"{', '.join(S.END_OUTCOMES)}); reporting only, no run changes")
+    p.add_argument("--primary", default=None,
+                   help="the pre-registered primary outcome: its rows form their own Holm "
+                        "family (the other rows a secondary one); default: one family")
     p.add_argument("--smoke", action="store_true",
                    help="CI size: 2 iterations, small batches, a 10-step warm-up")
     p.add_argument("--set", dest="overrides", action="append", default=[],
@@ -40,6 +47,11 @@ def main(argv=None) -> int:
     p.add_argument("--report-only", action="store_true", help="rewrite the results from "
                    "records.jsonl without running anything")
     args = p.parse_args(argv)
+    bad = [o for o in args.outcomes if o not in S.END_OUTCOMES]
+    if bad:  # checked before any run: a typo must not cost the whole grid
+        p.error(f"--outcomes: unknown {bad}; known: {', '.join(S.END_OUTCOMES)}")
+    if args.primary is not None and args.primary not in args.outcomes:
+        p.error(f"--primary {args.primary!r} is not among --outcomes {args.outcomes}")
     smoke = args.smoke
     args.methods = args.methods or (G.SMOKE_METHODS if smoke else list(G.METHODS))
     args.settings = args.settings or (G.SMOKE_SETTINGS if smoke else G.DEFAULT_SETTINGS)
@@ -56,6 +68,7 @@ def main(argv=None) -> int:
     records = [r for r in records if r["cell"] in wanted]
     command = "megatron-pdm-stability " + shlex.join(argv if argv is not None else sys.argv[1:])
     report.write(args.output_dir, records, command=command, baseline=args.baseline,
+                 outcomes=args.outcomes, primary=args.primary,
                  grid={"methods": args.methods, "settings": args.settings, "seeds": args.seeds,
                        "sizes": sizes, "warmup": warmup, "config": args.config},
                  resamples=2000 if args.smoke else 20000)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from megatron_pdm import metrics as M
 from megatron_pdm.stability import summary as S
 from megatron_pdm.stability.grid import Grid
@@ -64,3 +66,25 @@ def test_too_few_seeds_is_undecided_not_no_difference():
     rows = S.compare(recs, baseline="no-trust-region", resamples=200)
     assert rows and all(r["verdict"].startswith("undecided") for r in rows)
     assert all(r["p_holm_floor"] == 1.0 for r in rows)
+
+
+def test_primary_outcome_is_its_own_holm_family():
+    # 8 seeds, one method clearly higher on both outcomes: with a primary outcome the primary
+    # family has 1 row (Holm p = raw p), the secondary family holds the other
+    recs = []
+    for seed in range(1, 9):
+        recs.append(_record("no-trust-region", seed, 0.10))
+        recs.append(_record("pdm-agg", seed, 0.10 + 0.01 * seed))
+    one = {r["outcome"]: r for r in S.compare(recs, baseline="no-trust-region", resamples=500)}
+    two = {r["outcome"]: r for r in S.compare(recs, baseline="no-trust-region", resamples=500,
+                                               primary="greedy_acc_after_rl")}
+    assert {r["family"] for r in one.values()} == {"all"}
+    assert two["greedy_acc_after_rl"]["family"] == "primary"
+    assert two["reward_end"]["family"] == "secondary"
+    assert two["greedy_acc_after_rl"]["p_holm"] == two["greedy_acc_after_rl"]["p"]
+    assert one["greedy_acc_after_rl"]["p_holm"] > one["greedy_acc_after_rl"]["p"]
+    with pytest.raises(ValueError, match="primary outcome"):
+        S.compare(recs, baseline="no-trust-region", outcomes=("reward_end",),
+                  primary="greedy_acc_after_rl")
+    with pytest.raises(ValueError, match="unknown outcome"):
+        S.compare(recs, baseline="no-trust-region", outcomes=("accuracy",))
