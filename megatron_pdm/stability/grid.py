@@ -33,10 +33,16 @@ SETTINGS: dict[str, list[str]] = {
     "engine-fp32": ["rollout.rollout_precision=fp32"],
     "engine-fp8": ["rollout.rollout_precision=fp8"],
     "lr4x": [f"train.lr={4 * BASE_LR}"],
+    # the real vLLM CPU server in bf16 behind an fp32 trainer (needs .venv-vllm: make vllm-venv);
+    # the server is started per run by SERVER_SETTINGS' launcher, `{vllm_url}` filled in by it
+    "engine-vllm-bf16": ["rollout.engine=vllm", "rollout.vllm.url={vllm_url}"],
     # the smoke setting: both queue-based keys at once, measurable within 2 iterations
     "smoke-stale1-epochs2": ["rollout.staleness=1", "train.epochs_per_batch=2"],
 }
-DEFAULT_SETTINGS = [s for s in SETTINGS if not s.startswith("smoke")]
+# settings whose runs need a real engine server: setting -> megatron_pdm.train.vllm_server args
+SERVER_SETTINGS: dict[str, list[str]] = {"engine-vllm-bf16": ["--dtype", "bfloat16"]}
+# the default grid needs no server (the vLLM setting is asked for by name: --settings ...)
+DEFAULT_SETTINGS = [s for s in SETTINGS if not s.startswith("smoke") and s not in SERVER_SETTINGS]
 SMOKE_METHODS = ["no-trust-region", "pdm-agg"]
 SMOKE_SETTINGS = ["smoke-stale1-epochs2"]
 
@@ -91,3 +97,13 @@ class Grid:
 
     def overrides(self, cell: Cell) -> list[str]:
         return [*self.sizes, *SETTINGS[cell.setting], f"seed={cell.seed}"]
+
+    def launcher(self, cell: Cell, config: str) -> list[str]:
+        """The command prefix that starts this cell's engine server around its driver run
+        (megatron_pdm.train.vllm_server ... --), or [] when the cell needs no server."""
+        if cell.setting not in SERVER_SETTINGS:
+            return []
+        import sys
+
+        return [sys.executable, "-m", "megatron_pdm.train.vllm_server", "--config", config,
+                "--set", f"seed={cell.seed}", *SERVER_SETTINGS[cell.setting], "--"]

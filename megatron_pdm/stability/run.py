@@ -49,7 +49,7 @@ def run_grid(grid: Grid, *, config: str, out: str, warmup_overrides: list[str], 
         t1 = time.time()
         run_dir = os.path.join(out, "runs", cell.name)
         compare.run_one(config, METHODS[cell.method], cell.seed, run_dir, warm_dir,
-                        grid.overrides(cell), nproc, threads)
+                        grid.overrides(cell), nproc, threads, grid.launcher(cell, config))
         record = S.run_record(run_dir, cell, wall_s=time.time() - t1)
         append_record(out, record)
         took = time.time() - t0

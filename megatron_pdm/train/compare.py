@@ -31,9 +31,11 @@ from megatron_pdm.train.report import plot_runs
 TRACKER = "latest_checkpointed_iteration.txt"
 
 
-def _torchrun(args: list[str], nproc: int, threads: int) -> None:
+def _torchrun(args: list[str], nproc: int, threads: int, prefix: list[str] = ()) -> None:
+    """One driver run; `prefix` wraps it (e.g. megatron_pdm.train.vllm_server ... --, which
+    starts the engine server, fills `{vllm_url}` into the arguments and stops it after)."""
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    cmd = [torchrun, "--nproc-per-node", str(nproc), *LOCAL_TORCHRUN,
+    cmd = [*prefix, torchrun, "--nproc-per-node", str(nproc), *LOCAL_TORCHRUN,
            "-m", "megatron_pdm.train", *args]
     subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
 
@@ -62,11 +64,11 @@ def shared_warmup(config: str, out: str, overrides: list[str], nproc: int, threa
 
 
 def run_one(config: str, preset: str, seed: int, out: str, warm_dir: str, overrides: list[str],
-            nproc: int, threads: int) -> None:
+            nproc: int, threads: int, prefix: list[str] = ()) -> None:
     sets = [*overrides, f"seed={seed}", f"checkpoint.load_dir={warm_dir}", "warmup.steps=0",
             "log.progress=false"]  # after the user's overrides: these must win
     _torchrun(["--config", config, "--preset", preset, "--output-dir", out, *_sets(sets)],
-              nproc, threads)
+              nproc, threads, prefix)
 
 
 def main(argv=None) -> int:

@@ -92,3 +92,22 @@ def test_is_pg_preset_has_no_trust_region():
 
     cfg = PolicyLossConfig.preset("is-pg")
     assert cfg.proximity == "none" and cfg.shaping == "mask" and math.isinf(cfg.ratio_cap)
+
+
+def test_vllm_setting_runs_inside_its_server_launcher():
+    # the engine-vllm-bf16 setting: the driver run is wrapped by vllm_server (bf16 server, the
+    # cell's seed), the driver's keys select the vLLM engine at the URL the launcher fills in,
+    # and every config key the setting sets is a real driver key; no other setting is wrapped
+    from megatron_pdm.stability.grid import DEFAULT_SETTINGS, SETTINGS, Cell, Grid
+
+    grid = Grid(["pdm-agg"], ["engine-vllm-bf16", "base"], [3])
+    cell = Cell("pdm-agg", "engine-vllm-bf16", 3)
+    prefix = grid.launcher(cell, "cfg.yaml")
+    assert prefix[1:3] == ["-m", "megatron_pdm.train.vllm_server"] and prefix[-1] == "--"
+    assert prefix[prefix.index("--dtype") + 1] == "bfloat16"
+    assert prefix[prefix.index("--set") + 1] == "seed=3"
+    assert grid.launcher(Cell("pdm-agg", "base", 3), "cfg.yaml") == []
+    overrides = [o.replace("{vllm_url}", "http://127.0.0.1:1") for o in grid.overrides(cell)]
+    cfg = RunConfig.load(None, overrides)
+    assert cfg.rollout.engine == "vllm" and cfg.rollout.vllm.url == "http://127.0.0.1:1"
+    assert "engine-vllm-bf16" not in DEFAULT_SETTINGS and "engine-vllm-bf16" in SETTINGS
