@@ -102,3 +102,27 @@ def mean_of(metric: torch.Tensor) -> float:
     """sum / count of one [sum, count] metric (nan when the count is 0)."""
     s, c = metric.tolist()
     return s / c if c else float("nan")
+
+
+def reduce_metrics(forward_data_store: list[dict], group=None) -> dict[str, float]:
+    """Sums the per-micro-batch `[sum, count]` metrics, all-reduces them over `group` (the DP
+    group when data is split over ranks) and returns the means.
+
+    Args:
+        forward_data_store: one `{key: tensor([sum, count])}` per micro-batch (what megatron's
+            forward_backward_func returns, or the metrics of your own loop's loss calls).
+        group: a process group, or None (no communication).
+    """
+    totals: dict[str, torch.Tensor] = {}
+    for item in forward_data_store:
+        for key, value in item.items():
+            v = value.detach().to(torch.float64)
+            totals[key] = totals[key] + v if key in totals else v.clone()
+    if group is not None and totals:
+        import torch.distributed as dist
+
+        keys = sorted(totals)
+        packed = torch.stack([totals[k] for k in keys])
+        dist.all_reduce(packed, group=group)  # SUM of [sum, count] over data-parallel ranks
+        totals = dict(zip(keys, packed))
+    return {k: mean_of(v) for k, v in totals.items()}
