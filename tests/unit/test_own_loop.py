@@ -206,3 +206,21 @@ def test_example_runs_and_tp2_equals_tp1(tmp_path):
     for a, b in zip(tp1, tp2):
         for key in ("loss", "pdm/ratio_mean", "pdm/topk_kl_mean", "loss/pg"):
             assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=1e-6), key
+
+
+def _normalize_worker(rank, world, out_dir):
+    # rank 0 has 3 loss rows, rank 1 has 1: the global token count is 4
+    lm = torch.tensor([True, True, True]) if rank == 0 else torch.tensor([True, False, False])
+    loss_sum = torch.tensor(2.0 + rank)
+    group = torch.distributed.group.WORLD
+    averaged = pdm.normalize_loss(loss_sum, lm, "token-mean", group=group)
+    summed = pdm.normalize_loss(loss_sum, lm, "token-mean", group=group, grads_averaged=False)
+    torch.save((float(averaged), float(summed)), pathlib.Path(out_dir) / f"r{rank}.pt")
+
+
+def test_normalize_loss_counts_over_the_data_parallel_group(tmp_path):
+    run_gloo(_normalize_worker, 2, str(tmp_path))
+    for rank in range(2):
+        averaged, summed = torch.load(tmp_path / f"r{rank}.pt")
+        # DDP averages: (L0 + L1) / 2 = (2 + 3) / 4 needs L_r = loss_sum_r * 2 / 4
+        assert averaged == (2.0 + rank) * 2 / 4 and summed == (2.0 + rank) / 4
