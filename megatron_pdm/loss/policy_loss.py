@@ -203,7 +203,7 @@ def _off_policy(cfg: PolicyLossConfig, adv_N: torch.Tensor, raw_log_ratio_N: tor
     if cfg.seq_mask_kl is not None:
         keep_N = keep_N & _offpolicy.opsm_keep(adv_N, raw_log_ratio_N, seq_ids_N, lm_N,
                                                cfg.seq_mask_kl)
-    return level_N.clamp_max(cfg.ratio_cap), keep_N
+    return level_N.clamp_max(cfg.ratio_cap), keep_N | ~lm_N  # off loss rows: nothing dropped
 
 
 def _proximity(cfg: PolicyLossConfig, stats: TokenStats, ratio_N: torch.Tensor,

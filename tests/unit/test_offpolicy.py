@@ -105,7 +105,7 @@ def test_corrections_match_the_fp64_reference_loop(corr):
         assert abs(float(out.coeff[t]) - expected) <= 1e-12 * max(1.0, abs(expected)), t
         if b["lm"][t]:
             assert abs(float(out.is_weight[t]) - weight[t]) <= 1e-12 * max(1.0, weight[t]), t
-            assert bool(out.mask[t]) == keep[t], t
+        assert bool(out.mask[t]) == keep[t], t   # True off loss rows, as the trust mask
     # the batch must exercise the rule: something is truncated or dropped, something is not
     lm = b["lm"].tolist()
     dropped = [not keep[t] for t in range(N) if lm[t] and b["adv"][t] != 0]
