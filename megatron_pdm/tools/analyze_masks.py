@@ -1,5 +1,8 @@
 """Token-level mask study: does the predictive direction keep fewer unsafe updates?
 
+(examples/tiny_cpu/config.yaml and runs/ are those of a source checkout after `make demo`; with
+the wheel, pass your own run's config and run directory.)
+
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 -m megatron_pdm.tools.analyze_masks \
         --config examples/tiny_cpu/config.yaml --run-dir runs/tiny_cpu --out-dir runs/masks \
         [--checkpoint runs/tiny_cpu/checkpoints/iter_0000050] [--batches fresh|saved] \

@@ -31,7 +31,7 @@ PAGED_STASH = "megatron.core.transformer.moe.ops.paged_stash"  # megatron_pdm/tr
 PURE = {"configtree", "configfile", "fsutil", "arch", "layout", "config", "cli", "triton_stub",
         "netutil", "significance"}
 ALLOWED = {
-    "face": {"ops", "parallel", "loss", "config", "triton_stub"},
+    "face": {"ops", "parallel", "loss", "config", "triton_stub", "metrics", "own_loop"},
     "triton_stub": set(),
     "configtree": set(),
     "fsutil": set(),
@@ -46,6 +46,10 @@ ALLOWED = {
     "ops": set(),
     "parallel": {"ops"},
     "loss": {"ops", "config", "configtree", "metrics"},
+    # your own forward_step (docs/own-loop.md): rows, the one loss call; torch only
+    "own_loop": {"ops", "parallel", "loss", "config"},
+    # framework adapters (slime's custom loss) over the own-loop API; TP group from mcore
+    "integrations": {"own_loop", "ops", "config", "mcore"},
     "mcore": {"ops", "parallel", "loss", "config", "configtree", "metrics", "arch", "fsutil",
               "triton_stub"},
     "convert": {"arch", "configtree", "layout", "mcore", "ops", "netutil"},
@@ -243,6 +247,8 @@ _FORBIDDEN = {
                               "megatron"),
     "megatron_pdm.loss.policy_loss": ("megatron_pdm.parallel", "megatron_pdm.mcore",
                                       "megatron_pdm.train", "megatron"),
+    "megatron_pdm.own_loop": ("megatron_pdm.mcore", "megatron_pdm.train", "rollout_bridge",
+                              "megatron", "transformer_engine"),
     "rollout_bridge": ("megatron_pdm.parallel", "megatron_pdm.loss", "megatron_pdm.mcore",
                        "megatron_pdm.train", "megatron"),
     "rollout_bridge.core.types": ("rollout_bridge.sglang", "rollout_bridge.vllm",
