@@ -29,20 +29,21 @@ PAGED_STASH = "megatron.core.transformer.moe.ops.paged_stash"  # megatron_pdm/tr
 
 # unit -> units it may import (besides itself). "face" is megatron_pdm/__init__.
 PURE = {"configtree", "configfile", "fsutil", "arch", "layout", "config", "cli", "triton_stub",
-        "netutil", "significance"}
+        "netutil", "significance", "intmath"}
 ALLOWED = {
     "face": {"ops", "parallel", "loss", "config", "triton_stub"},
     "triton_stub": set(),
     "configtree": set(),
     "fsutil": set(),
     "configfile": {"configtree", "fsutil"},
-    "arch": {"configtree"},
+    "arch": {"configtree", "intmath"},
     "layout": {"arch", "configtree"},
     "config": {"configtree", "configfile"},
     "cli": {"configtree"},
     "metrics": set(),
     "netutil": set(),
     "significance": set(),
+    "intmath": set(),
     "ops": set(),
     "parallel": {"ops"},
     "loss": {"ops", "config", "configtree", "metrics"},
@@ -53,18 +54,18 @@ ALLOWED = {
                  "rollout_bridge", "rb.core", "train", "cli", "significance"},
     "train": {"ops", "parallel", "loss", "config", "configtree", "configfile", "metrics", "arch",
               "layout", "mcore", "convert", "cli", "netutil", "rollout_bridge", "rb.core", "rb.sglang",
-              "rb.vllm", "rb.local", "significance"},
+              "rb.vllm", "rb.local", "significance", "intmath"},
     # rollout_bridge: the package face (lazy re-exports), the engine-independent core, one
     # subpackage per engine. The engines share only core; core knows no engine.
     "rollout_bridge": {"rb.core", "rb.sglang", "rb.vllm", "rb.local"},
-    "rb.core": {"ops"},
+    "rb.core": {"ops", "intmath"},
     "rb.sglang": {"rb.core", "ops"},
     "rb.vllm": {"rb.core", "ops"},
     "rb.local": {"rb.core", "ops"},
     "stability": {"train", "metrics", "significance", "cli", "configtree"},
     "tools": {"stability", "ops", "parallel", "loss", "config", "configtree", "fsutil", "metrics", "arch",
               "layout", "mcore", "convert", "cli", "rollout_bridge", "rb.core", "rb.sglang",
-              "rb.vllm", "rb.local", "train", "analysis", "significance"},
+              "rb.vllm", "rb.local", "train", "analysis", "significance", "intmath"},
 }
 
 
@@ -234,6 +235,7 @@ _FORBIDDEN = {
                      "megatron_pdm.mcore", "torch", "megatron"),
     "megatron_pdm.configtree": ("torch", "megatron", "megatron_pdm.ops"),
     "megatron_pdm.arch": ("torch", "megatron", "megatron_pdm.ops"),
+    "megatron_pdm.intmath": ("torch", "megatron", "megatron_pdm.ops"),
     "megatron_pdm.layout": ("torch", "megatron", "megatron_pdm.ops"),
     "megatron_pdm.config": ("torch", "megatron", "megatron_pdm.ops"),
     "megatron_pdm.ops": ("megatron_pdm.parallel", "megatron_pdm.loss", "megatron_pdm.mcore",
@@ -281,8 +283,8 @@ def test_fresh_import_loads_nothing_above_its_layer(module):
 
 def test_rollout_bridge_units_are_the_subpackages():
     # Every module of rollout_bridge lives in one of the units ALLOWED knows (a new flat module
-    # or subpackage must be placed in the layering on purpose), and the only megatron_pdm module
-    # the bridge imports is the support contract.
+    # or subpackage must be placed in the layering on purpose), and the only megatron_pdm modules
+    # the bridge imports are the support contract and the pure integer rounding.
     units = {k for k in ALLOWED if k.startswith("rb.")}
     problems = []
     for path in sorted((ROOT / "rollout_bridge").rglob("*.py")):
@@ -290,7 +292,8 @@ def test_rollout_bridge_units_are_the_subpackages():
         if unit != "rollout_bridge" and unit not in units:
             problems.append(f"{path.relative_to(ROOT)}: unit {unit} is not in ALLOWED")
         for target, line, _, _ in _edges(path):
-            if target.startswith("megatron_pdm") and target != "megatron_pdm.ops.support":
+            if target.startswith("megatron_pdm") and target not in ("megatron_pdm.ops.support",
+                                                                     "megatron_pdm.intmath"):
                 problems.append(f"{path.relative_to(ROOT)}:{line} imports {target}")
     assert not problems, "\n".join(problems)
     assert units == {"rb.core", "rb.sglang", "rb.vllm", "rb.local"}
