@@ -238,7 +238,7 @@ def part_op_vs_ce(sz: dict) -> dict:
 def part_optimizer_step(sz: dict) -> dict:
     import torch
 
-    from megatron_pdm.arch import Qwen3MoeArch
+    from megatron_pdm.arch import ModelArch
     from megatron_pdm.config import PolicyLossConfig
     from megatron_pdm.mcore import optimizer as mopt
     from megatron_pdm.mcore.device import place
@@ -250,7 +250,7 @@ def part_optimizer_step(sz: dict) -> dict:
     smoke = sz["device"] == "cpu"
     _single_rank_env()
     init_parallel(tp=1, ep=1, pp=1)
-    arch = Qwen3MoeArch(vocab_size=1000) if smoke else Qwen3MoeArch.qwen3_30b_a3b()
+    arch = ModelArch(vocab_size=1000) if smoke else ModelArch.qwen3_30b_a3b()
     arch.num_layers = 2
     dtype = dict(params_dtype=torch.float32) if smoke else dict(params_dtype=torch.bfloat16,
                                                                 bf16=True)
