@@ -37,6 +37,7 @@ from megatron_pdm.analysis.counting import rate
 from megatron_pdm.analysis.megatron_probe import MegatronProbe, verify_all_ranks
 from megatron_pdm.analysis.seed_log import SeedLog
 from megatron_pdm.analysis.seed_study import measure_seed
+from megatron_pdm.analysis.study_setup import gather_setup, open_study
 from megatron_pdm.analysis.summary import summarize
 from megatron_pdm.mcore import optimizer as mopt
 from megatron_pdm.train import schedule as sched
@@ -109,8 +110,6 @@ def _one_run(a, trainer, c, criteria, seed: int, start, stats_dtype, rows: list)
 
 def run_own_runs(a) -> dict | None:
     """Design "runs" (module docstring); collective. Returns the results on rank 0."""
-    from megatron_pdm.analysis.study import _gather_setup, open_study
-
     if a.batches != "fresh":
         raise ValueError("design 'runs' generates its own batches along each run: "
                          "use --batches fresh")
@@ -137,7 +136,7 @@ def run_own_runs(a) -> dict | None:
     if dist.get_rank() == 0:
         import os
 
-        setup = _gather_setup(a, cfg, path, trainer.iteration, trainer, j)
+        setup = gather_setup(a, cfg, path, trainer.iteration, trainer, j)
         m = cfg.train.minibatches_per_iteration
         setup.update(seeds=list(a.seeds), wall_s=time.time() - t_start,
                      seconds_per_seed=sum(seed_times) / len(seed_times), seed_seconds=seed_times,
