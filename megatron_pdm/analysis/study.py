@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Literal
@@ -45,11 +47,13 @@ import torch.distributed as dist
 
 from megatron_pdm.analysis import plots, report, sources
 from megatron_pdm.analysis import snapshot as snap_mod
+from megatron_pdm.analysis.controls import build_controls
 from megatron_pdm.analysis.criteria import (
     DEFAULT_CRITERIA,
     build_criteria,
     keep_all_config,
 )
+from megatron_pdm.analysis.inference import DEFAULT_PRIMARY, parse_primary
 from megatron_pdm.analysis.megatron_probe import MegatronProbe, verify_all_ranks
 from megatron_pdm.analysis.seed_log import SeedLog
 from megatron_pdm.analysis.seed_study import measure_seed, token_arrays
@@ -109,6 +113,14 @@ class StudyArgs:
     """design "runs": RL iterations of each criterion's run (x minibatches steps each)."""
     power: dict | None = None
     """The power analysis that chose the seeds (power.seeds_needed output), recorded in setup."""
+    primary: str = DEFAULT_PRIMARY
+    """The pre-registered primary comparison "CRITERION:BASELINE[:RATE]" (inference.py),
+    named before the run; marked in the results, Holm-adjusted with the other comparisons."""
+    controls: str | None = None
+    """The base criterion of the synthetic controls (controls.py: its oracle with `control_flip`
+    of its wrong decisions set right, and an identical copy); None: no controls."""
+    control_flip: float = 0.5
+    """The oracle control's probability of setting a wrong decision right."""
 
     def __post_init__(self):
         check_fields(self)  # types and Literal members, converted like a parsed section
@@ -122,6 +134,22 @@ class StudyArgs:
             raise ConfigError(f"sgd_lr={self.sgd_lr}: must be > 0 (None: no controls)")
         if self.run_iterations < 1:
             raise ConfigError(f"run_iterations={self.run_iterations}: must be >= 1")
+        if not 0.0 <= self.control_flip <= 1.0:
+            raise ConfigError(f"control_flip={self.control_flip}: must be in [0, 1]")
+        names = list(self.criteria) + [c.name for c in self.synthetic_controls()]
+        try:
+            parse_primary(self.primary, names)
+        except ValueError as exc:
+            raise ConfigError(f"primary={self.primary!r}: {exc}") from None
+
+    def synthetic_controls(self) -> list:
+        """The synthetic controls (controls.Control) of `controls`, [] without."""
+        if self.controls is None:
+            return []
+        try:
+            return build_controls(self.controls, list(self.criteria), flip=self.control_flip)
+        except ValueError as exc:
+            raise ConfigError(f"controls={self.controls!r}: {exc}") from None
 
 
 def _rollouts_dir(a: StudyArgs) -> str | None:
@@ -230,7 +258,9 @@ def _gather_setup(a, cfg, path, ckpt_iteration, trainer, j) -> dict:
             "rollout_precision": cfg.rollout.rollout_precision,
             "engine": cfg.rollout.engine, "engine_server": _server_summary(trainer.rollout),
             "fp8_scales": cfg.rollout.fp8_scales, "sgd_lr": a.sgd_lr, "design": a.design,
-            "power": a.power,
+            "power": a.power, "primary": a.primary,
+            "controls": [vars(c) for c in a.synthetic_controls()],
+            "machine": machine(), "command": list(sys.argv),
             "minibatches_per_iteration": cfg.train.minibatches_per_iteration,
             "criteria": list(a.criteria), "delta_kl": a.delta_kl, "delta_tv": a.delta_tv,
             "tol": a.tol, "stats_dtype": a.stats_dtype, "tp": info.tp_size, "dp": info.dp_size,
@@ -242,6 +272,21 @@ def _gather_setup(a, cfg, path, ckpt_iteration, trainer, j) -> dict:
             "ratio_cap": cfg.loss.ratio_cap, "torch_threads": torch.get_num_threads(),
             "device": str(current_device()),
             "run_config": cfg.to_dict()}
+
+
+def machine() -> dict:
+    """What the numbers depend on besides the seeds: CPU model, cores, threads."""
+    model = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f
+                          if line.startswith("model name")), None)
+    except OSError:
+        pass
+    return {"cpu_model": model or platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+            "torch_version": torch.__version__, "python": platform.python_version()}
 
 
 def open_study(a: StudyArgs):
@@ -282,6 +327,7 @@ def run_study(a: StudyArgs) -> dict | None:
     m_per_it = cfg.train.minibatches_per_iteration
     start = snap_mod.take_snapshot(trainer.model, trainer.optimizer)
     keep_all = keep_all_config(cfg.loss)
+    controls = a.synthetic_controls()
     pp = cfg.parallel.pp
     per_seed, tokens, labels, staleness, seed_times = [], [], [], [], []
     seed_log = SeedLog(a.out_dir, enabled=dist.get_rank() == 0)
@@ -303,7 +349,8 @@ def run_study(a: StudyArgs) -> dict | None:
         applied.append(trainer.optimizer.param_groups[0]["lr"])
         probe = MegatronProbe(trainer.model, trainer.optimizer, mbs[j], criteria, pp=pp,
                               stats_dtype=stats_dtype)
-        m = measure_seed(probe, criteria, keep_all, tol=a.tol, sgd_lr=a.sgd_lr)
+        m = measure_seed(probe, criteria, keep_all, tol=a.tol, sgd_lr=a.sgd_lr,
+                         controls=controls, control_seed=int(label))
         # staleness: checkpoint weights minus the weights that generated the batch (its
         # weight_version when numeric, else the iteration that trained on it), plus the stale
         # source's iterations
@@ -346,7 +393,8 @@ def write_outputs(a: StudyArgs, setup: dict, per_seed: list[dict], tokens: list[
     import numpy as np
 
     os.makedirs(a.out_dir, exist_ok=True)
-    summary = summarize(per_seed, criteria, bootstrap_seed=a.bootstrap_seed)
+    summary = summarize(per_seed, criteria, controls=a.synthetic_controls(), primary=a.primary,
+                        power=a.power, bootstrap_seed=a.bootstrap_seed)
     report.write_json(os.path.join(a.out_dir, "results.json"), setup, summary, per_seed)
     with open(os.path.join(a.out_dir, "results.md"), "w") as f:
         f.write(report.markdown(setup, summary))
