@@ -60,16 +60,23 @@ def pilot_sd(results_json: str, criterion: str | None = None) -> tuple[float, in
     """(SD of the per-seed paired differences, number of defined seeds) of a pilot study.
 
     Args:
-        results_json: a study's results.json (either design).
+        results_json: a study's results.json (either design) or its stored copy.
         criterion: the predictive criterion of the pair (default: the first pair).
 
     Raises:
         ValueError: no such pair, or fewer than 2 seeds with a defined difference.
     """
     with open(results_json) as f:
-        summary = json.load(f)["summary"]
+        results = json.load(f)
+    if "summary" in results:
+        summary = results["summary"]
+    else:  # a stored copy (stored.py): the summary recomputed from its per-seed counts
+        from megatron_pdm.analysis.stored import recompute
+
+        summary = recompute(results)
     pairs = summary.get("paired", [])
     pick = [p for p in pairs if criterion is None or p["criterion"] == criterion]
+    pick = sorted(pick, key=lambda p: not p.get("primary", False))  # the primary first
     if not pick:
         raise ValueError(f"{results_json}: no paired comparison for {criterion or 'any'} "
                          f"(pairs: {[p['criterion'] for p in pairs]})")

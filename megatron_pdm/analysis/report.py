@@ -15,7 +15,7 @@ import math
 
 from megatron_pdm.analysis.summary import sign_test_p
 
-__all__ = ["PAPER", "inference_lines", "markdown", "paired_table", "write_json"]
+__all__ = ["PAPER", "criteria_table", "inference_lines", "markdown", "paired_table", "write_json"]
 
 PAPER = {
     "unsafe_keep_rate_ratio": 0.369, "unsafe_keep_rate_predictive": 0.342, "wins": 38,
@@ -67,7 +67,7 @@ def _wilson(r: dict) -> str:
     return f"{r['k']} / {r['n']} = {_pct(r['pooled'])} [{_pct(lo)}, {_pct(hi)}]"
 
 
-def _criteria_table(summary: dict) -> list[str]:
+def criteria_table(summary: dict) -> list[str]:
     header = ("| criterion | D, δ | out-of-region / seed | kept out-of-region / seed | "
               "disagree with ratio (out-of-region / all) / seed | unsafe keep, pooled: "
               "k / n = rate [Wilson 95%] | seeds without a rate | "
@@ -236,7 +236,7 @@ def markdown(setup: dict, summary: dict) -> str:
         "",
         "## Per criterion",
         "",
-        *_criteria_table(summary),
+        *criteria_table(summary),
         "",
         (f"Paper (PDM, 61 seeds): unsafe-keep rate {_pct(p['unsafe_keep_rate_ratio'])} (ratio) "
          f"vs {_pct(p['unsafe_keep_rate_predictive'])} (predictive); ~{p['disagree_per_seed']} "

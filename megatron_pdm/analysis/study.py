@@ -258,7 +258,7 @@ def _gather_setup(a, cfg, path, ckpt_iteration, trainer, j) -> dict:
             "rollout_precision": cfg.rollout.rollout_precision,
             "engine": cfg.rollout.engine, "engine_server": _server_summary(trainer.rollout),
             "fp8_scales": cfg.rollout.fp8_scales, "sgd_lr": a.sgd_lr, "design": a.design,
-            "power": a.power, "primary": a.primary,
+            "power": a.power, "primary": a.primary, "bootstrap_seed": a.bootstrap_seed,
             "controls": [vars(c) for c in a.synthetic_controls()],
             "machine": machine(), "command": list(sys.argv),
             "minibatches_per_iteration": cfg.train.minibatches_per_iteration,
