@@ -4,11 +4,12 @@ sign and sign-flip tests, Holm, the primary comparison, the descriptive bootstra
 from __future__ import annotations
 
 import math
+import statistics
 
 import pytest
 
-from megatron_pdm.analysis.criteria import build_criteria
 from megatron_pdm import significance
+from megatron_pdm.analysis.criteria import build_criteria
 from megatron_pdm.analysis.summary import sign_test_p, summarize
 from megatron_pdm.config import PolicyLossConfig
 
@@ -67,7 +68,8 @@ def test_holm_over_every_comparison_and_the_primary_is_marked():
     s = summarize(seeds, _crit4(), primary="pdm-agg:ratio")
     rows = {r["criterion"]: r for r in s["paired"]}
     agg, exact = rows["pdm-agg"], rows["pdm-exact"]
-    assert agg["primary"] and not exact["primary"] and s["primary"] == "pdm-agg:ratio:unsafe_keep_rate"
+    assert agg["primary"] and not exact["primary"]
+    assert s["primary"] == "pdm-agg:ratio:unsafe_keep_rate"
     assert agg["family_size"] == 2
     assert agg["sign_flip_p"] == pytest.approx(2 / 2 ** 12)  # exact: all same sign
     assert agg["sign_test_p"] == pytest.approx(2 / 2 ** 12)
@@ -87,8 +89,8 @@ def test_power_check_sets_the_measured_sd_beside_the_assumed_one():
     power = {"effect": -0.027, "sd": 0.059, "t_test": 40, "sd_source": "stated"}
     s = summarize(seeds, _crit4(), primary="pdm-agg:ratio", power=power)
     pc = s["power_check"]
-    diffs = [d for d in s["paired"][0]["per_seed_difference"]]
-    assert pc["sd_measured"] == pytest.approx(__import__("statistics").stdev(diffs))
+    diffs = s["paired"][0]["per_seed_difference"]
+    assert pc["sd_measured"] == pytest.approx(statistics.stdev(diffs))
     assert pc["sd_assumed"] == 0.059 and pc["n_seeds_entered"] == 12
     assert pc["power_at_assumed_sd"] == pytest.approx(
         significance.power_paired(-0.027, 0.059, 12))
