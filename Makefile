@@ -15,7 +15,7 @@ NPROC   ?= 2
 # two runs on one machine never collide and no chosen port can be taken in between.
 TORCHRUN_PORT = $(if $(MASTER_PORT),--master-port $(MASTER_PORT),--standalone --local-addr 127.0.0.1)
 
-.PHONY: demo test bench venv clean vllm-venv demo-vllm real-model demo-real stability
+.PHONY: demo test bench venv clean vllm-venv demo-vllm real-model demo-real stability study-report
 
 $(STAMP): setup.py constraints/ci.txt
 	$(PY) -m venv $(VENV)
@@ -115,6 +115,11 @@ demo-real: real-model vllm-venv
 		--config examples/real_cpu/config.yaml --set "rollout.vllm.url={vllm_url}" \
 		--set checkpoint.load_dir=$(REAL_MCORE) --set task.tokenizer_dir=$(REAL_MODEL) \
 		--set checkpoint.allow_fresh_start=true $(ARGS)
+
+# make study-report: docs/mask-study.md's generated tables rewritten from the stored study
+# results they name (results/mask_study/*/results.json; megatron_pdm/analysis/stored.py).
+study-report: $(STAMP)
+	$(VPY) -m megatron_pdm.tools.study_report --update-doc docs/mask-study.md
 
 bench: $(STAMP)
 	$(VPY) benchmarks/bench_op.py

@@ -108,6 +108,7 @@ def run_study(a: StudyArgs) -> dict | None:
     m_per_it = cfg.train.minibatches_per_iteration
     start = snap_mod.take_snapshot(trainer.model, trainer.optimizer)
     keep_all = keep_all_config(cfg.loss)
+    controls = a.synthetic_controls()
     pp = cfg.parallel.pp
     per_seed, tokens, labels, staleness, seed_times = [], [], [], [], []
     seed_log = SeedLog(a.out_dir, enabled=dist.get_rank() == 0)
@@ -129,7 +130,8 @@ def run_study(a: StudyArgs) -> dict | None:
         applied.append(trainer.optimizer.param_groups[0]["lr"])
         probe = MegatronProbe(trainer.model, trainer.optimizer, mbs[j], criteria, pp=pp,
                               stats_dtype=stats_dtype)
-        m = measure_seed(probe, criteria, keep_all, tol=a.tol, sgd_lr=a.sgd_lr)
+        m = measure_seed(probe, criteria, keep_all, tol=a.tol, sgd_lr=a.sgd_lr,
+                         controls=controls, control_seed=int(label))
         # staleness: checkpoint weights minus the weights that generated the batch (its
         # weight_version when numeric, else the iteration that trained on it), plus the stale
         # source's iterations
@@ -172,7 +174,8 @@ def write_outputs(a: StudyArgs, setup: dict, per_seed: list[dict], tokens: list[
     import numpy as np
 
     os.makedirs(a.out_dir, exist_ok=True)
-    summary = summarize(per_seed, criteria, bootstrap_seed=a.bootstrap_seed)
+    summary = summarize(per_seed, criteria, controls=a.synthetic_controls(), primary=a.primary,
+                        power=a.power, bootstrap_seed=a.bootstrap_seed)
     report.write_json(os.path.join(a.out_dir, "results.json"), setup, summary, per_seed)
     with open(os.path.join(a.out_dir, "results.md"), "w") as f:
         f.write(report.markdown(setup, summary))

@@ -6,6 +6,8 @@ loaded (`open_study`) and the setup record of the results (`gather_setup`).
 from __future__ import annotations
 
 import os
+import platform
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Literal
@@ -13,7 +15,9 @@ from typing import Literal
 import torch
 
 from megatron_pdm.analysis import sources
+from megatron_pdm.analysis.controls import build_controls
 from megatron_pdm.analysis.criteria import DEFAULT_CRITERIA, build_criteria
+from megatron_pdm.analysis.inference import DEFAULT_PRIMARY, parse_primary
 from megatron_pdm.configtree import ConfigError, apply_override, check_fields
 from megatron_pdm.mcore import checkpoint as ckpt
 from megatron_pdm.mcore.device import current_device
@@ -67,6 +71,14 @@ class StudyArgs:
     """design "runs": RL iterations of each criterion's run (x minibatches steps each)."""
     power: dict | None = None
     """The power analysis that chose the seeds (power.seeds_needed output), recorded in setup."""
+    primary: str = DEFAULT_PRIMARY
+    """The pre-registered primary comparison "CRITERION:BASELINE[:RATE]" (inference.py),
+    named before the run; marked in the results, Holm-adjusted with the other comparisons."""
+    controls: str | None = None
+    """The base criterion of the synthetic controls (controls.py: its oracle with `control_flip`
+    of its wrong decisions set right, and an identical copy); None: no controls."""
+    control_flip: float = 0.5
+    """The oracle control's probability of setting a wrong decision right."""
 
     def __post_init__(self):
         check_fields(self)  # types and Literal members, converted like a parsed section
@@ -80,6 +92,22 @@ class StudyArgs:
             raise ConfigError(f"sgd_lr={self.sgd_lr}: must be > 0 (None: no controls)")
         if self.run_iterations < 1:
             raise ConfigError(f"run_iterations={self.run_iterations}: must be >= 1")
+        if not 0.0 <= self.control_flip <= 1.0:
+            raise ConfigError(f"control_flip={self.control_flip}: must be in [0, 1]")
+        names = list(self.criteria) + [c.name for c in self.synthetic_controls()]
+        try:
+            parse_primary(self.primary, names)
+        except ValueError as exc:
+            raise ConfigError(f"primary={self.primary!r}: {exc}") from None
+
+    def synthetic_controls(self) -> list:
+        """The synthetic controls (controls.Control) of `controls`, [] without."""
+        if self.controls is None:
+            return []
+        try:
+            return build_controls(self.controls, list(self.criteria), flip=self.control_flip)
+        except ValueError as exc:
+            raise ConfigError(f"controls={self.controls!r}: {exc}") from None
 
 
 def rollouts_dir(a: StudyArgs) -> str | None:
@@ -163,7 +191,9 @@ def gather_setup(a, cfg, path, ckpt_iteration, trainer, j) -> dict:
             "rollout_precision": cfg.rollout.rollout_precision,
             "engine": cfg.rollout.engine, "engine_server": server_summary(trainer.rollout),
             "fp8_scales": cfg.rollout.fp8_scales, "sgd_lr": a.sgd_lr, "design": a.design,
-            "power": a.power,
+            "power": a.power, "primary": a.primary, "bootstrap_seed": a.bootstrap_seed,
+            "controls": [vars(c) for c in a.synthetic_controls()],
+            "machine": machine(), "command": list(sys.argv),
             "minibatches_per_iteration": cfg.train.minibatches_per_iteration,
             "criteria": list(a.criteria), "delta_kl": a.delta_kl, "delta_tv": a.delta_tv,
             "tol": a.tol, "stats_dtype": a.stats_dtype, "tp": info.tp_size, "dp": info.dp_size,
@@ -175,6 +205,21 @@ def gather_setup(a, cfg, path, ckpt_iteration, trainer, j) -> dict:
             "ratio_cap": cfg.loss.ratio_cap, "torch_threads": torch.get_num_threads(),
             "device": str(current_device()),
             "run_config": cfg.to_dict()}
+
+
+def machine() -> dict:
+    """What the numbers depend on besides the seeds: CPU model, cores, threads."""
+    model = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f
+                          if line.startswith("model name")), None)
+    except OSError:
+        pass
+    return {"cpu_model": model or platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+            "torch_version": torch.__version__, "python": platform.python_version()}
 
 
 def open_study(a: StudyArgs):
