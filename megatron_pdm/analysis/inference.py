@@ -165,9 +165,7 @@ def power_check(power: dict | None, row: dict | None) -> dict | None:
            "power_at_assumed_sd": pw(power["sd"]), "power_at_measured_sd": pw(sd_m),
            "seeds_asked": power.get("t_test")}
     if sd_m and sd_m > 0:
-        from megatron_pdm.analysis.power import seeds_needed
-
-        out["seeds_needed_at_measured_sd"] = seeds_needed(effect, sd_m)["t_test"]
+        out["seeds_needed_at_measured_sd"] = significance.seeds_needed(effect, sd_m)["t_test"]
     else:
         out["seeds_needed_at_measured_sd"] = None
     return out

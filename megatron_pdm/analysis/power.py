@@ -21,39 +21,11 @@ inference.power_check sets the SD measured on the study's own seeds beside the a
 from __future__ import annotations
 
 import json
-import math
 import statistics
-from statistics import NormalDist
+
+from megatron_pdm.significance import seeds_needed  # the one formula; re-exported here
 
 __all__ = ["check_independent", "pilot_sd", "pilot_seeds", "seeds_needed"]
-
-
-def seeds_needed(effect: float, sd: float, *, alpha: float = 0.05, power: float = 0.8) -> dict:
-    """Seeds for a two-sided paired test of mean difference `effect` (module docstring).
-
-    Args:
-        effect: the difference to detect (any unit, e.g. -0.027 for -2.7 pp; the sign is
-            ignored).
-        sd: the per-seed standard deviation of the paired differences (same unit).
-
-    Returns:
-        {"normal": n_z, "t_test": n_t, "effect", "sd", "alpha", "power"}; n_t is the one to use.
-
-    Raises:
-        ValueError: effect == 0, sd <= 0, alpha or power outside (0, 1).
-    """
-    if effect == 0 or not math.isfinite(effect):
-        raise ValueError(f"power analysis: effect={effect} must be a finite non-zero difference")
-    if not sd > 0:
-        raise ValueError(f"power analysis: sd={sd} must be > 0 (the pilot's per-seed spread)")
-    for name, v in (("alpha", alpha), ("power", power)):
-        if not 0 < v < 1:
-            raise ValueError(f"power analysis: {name}={v} must be in (0, 1)")
-    z_a = NormalDist().inv_cdf(1 - alpha / 2)
-    z_b = NormalDist().inv_cdf(power)
-    n_z = ((z_a + z_b) * sd / abs(effect)) ** 2
-    return {"normal": math.ceil(n_z - 1e-9), "t_test": math.ceil(n_z + z_a ** 2 / 2 - 1e-9),
-            "n_normal_exact": n_z, "effect": effect, "sd": sd, "alpha": alpha, "power": power}
 
 
 def pilot_sd(results_json: str, criterion: str | None = None) -> tuple[float, int]:
