@@ -59,6 +59,7 @@ CONSOLE_SCRIPTS = [
     "megatron-pdm-analyze-masks = megatron_pdm.tools.analyze_masks:cli",
     "megatron-pdm-prepare-real-model = megatron_pdm.tools.prepare_real_model:main",
     "megatron-pdm-stability = megatron_pdm.tools.stability:cli",
+    "megatron-pdm-simulate = megatron_pdm.tools.simulate:main",
 ]
 
 setup(

@@ -122,13 +122,13 @@ class _NoForkTracker:
         yield
 
 
-def _patch_rng_tracker() -> None:
+def _rng_patches() -> list[tuple]:
     from megatron.core.tensor_parallel import random as mrandom
 
-    mrandom._CUDA_RNG_STATE_TRACKER = _NoForkTracker()
-    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     # recompute (CheckpointFunction) saves and restores the CUDA RNG state: no state here.
-    mrandom._set_cuda_rng_state = lambda *a, **k: None
+    return [(mrandom, "_CUDA_RNG_STATE_TRACKER", _NoForkTracker()),
+            (mrandom, "_CUDA_RNG_STATE_TRACKER_INITIALIZED", True),
+            (mrandom, "_set_cuda_rng_state", lambda *a, **k: None)]
 
 
 def _l2_norm_from_stack(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
@@ -137,11 +137,12 @@ def _l2_norm_from_stack(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
     return torch.linalg.vector_norm(torch.stack(norms)).reshape(1), None
 
 
-def _patch_grad_norm() -> None:
+def _grad_norm_patches() -> list[tuple]:
     from megatron.core.optimizer import clip_grads
 
-    if clip_grads.l2_norm_impl.__name__ == "local_multi_tensor_l2_norm":
-        clip_grads.l2_norm_impl = _l2_norm_from_stack
+    if clip_grads.l2_norm_impl.__name__ != "local_multi_tensor_l2_norm":
+        return []  # apex / TE kernel present (not on a CPU machine)
+    return [(clip_grads, "l2_norm_impl", _l2_norm_from_stack)]
 
 
 class _Uncoalesced:
@@ -160,10 +161,10 @@ class _Uncoalesced:
         return None
 
 
-def _patch_coalescing() -> None:
+def _coalescing_patches() -> list[tuple]:
     from megatron.core.distributed import param_and_grad_buffer
 
-    param_and_grad_buffer._coalescing_manager = _Uncoalesced
+    return [(param_and_grad_buffer, "_coalescing_manager", _Uncoalesced)]
 
 
 def balanced_routing_overrides(arch) -> dict:
@@ -174,12 +175,10 @@ def balanced_routing_overrides(arch) -> dict:
                 moe_token_drop_policy="probs")
 
 
-def _patch_dispatcher_constants() -> None:
+def _dispatcher_patches() -> list[tuple]:
     """Stand-in 3's second half: drop-and-pad's constant counts as real host tensors."""
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher as D
 
-    if getattr(D, "_sim_patched", False):
-        return
     original = D.preprocess
 
     def preprocess(self, routing_map):
@@ -194,8 +193,24 @@ def _patch_dispatcher_constants() -> None:
         return real_constant(torch.full, tuple(out.shape),
                              self.capacity * self.tp_size * self.ep_size, dtype=torch.long)
 
-    D.preprocess = preprocess
-    D._sim_patched = True
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    # the schedule caches the loss scale as a class attribute: a fresh one per simulated rank
+    return [(D, "preprocess", preprocess), (MoEAuxLossAutoScaler, "main_loss_backward_scale", None)]
+
+
+@contextlib.contextmanager
+def _patched(patches: list[tuple]) -> Iterator[None]:
+    """Sets every (object, attribute, value) and restores the old values on exit: the stand-ins
+    never outlive the simulation (a test process goes on with unpatched megatron)."""
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
+    try:
+        for obj, name, value in patches:
+            setattr(obj, name, value)
+        yield
+    finally:
+        for obj, name, value in reversed(saved):
+            setattr(obj, name, value)
 
 
 @contextlib.contextmanager
@@ -236,12 +251,10 @@ def fake_world(*, rank: int, world: int, tp: int, ep: int, pp: int) -> Iterator[
             tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
             expert_model_parallel_size=ep, expert_tensor_parallel_size=1,
             create_gloo_process_groups=False)
-        _patch_rng_tracker()
-        _patch_dispatcher_constants()
-        _patch_grad_norm()
-        _patch_coalescing()
+        patches = (_rng_patches() + _dispatcher_patches() + _grad_norm_patches()
+                   + _coalescing_patches())
         mode = SimFakeMode()
-        with _same_object_collectives(), mode:
+        with _patched(patches), _same_object_collectives(), mode:
             yield mode
     finally:
         if ps.model_parallel_is_initialized():
