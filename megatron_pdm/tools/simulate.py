@@ -120,8 +120,8 @@ def _markdown(result: dict) -> str:
                   f"{len(r['param_shape_problems']) + len(r['loss_input_problems'])}",
                   f"- loss op input {r['loss_inputs'].get('output_tensor')} "
                   f"{r['loss_inputs'].get('output_dtype', '')}; loss forward peak "
-                  f"{b['loss_forward_peak'] / GIB:.3f} GiB; optimizer step peak (Adam state "
-                  f"created) {b['optimizer_step_peak'] / GIB:.2f} GiB",
+                  f"{b['loss_forward_peak'] / GIB:.3f} GiB; peak of the whole step above the "
+                  f"static bytes (the optimizer step included) {b['optimizer_step_peak'] / GIB:.2f} GiB",
                   f"- largest live tensors at the activation peak: " + ", ".join(
                       f"{t['op']} {t['bytes'] / GIB:.2f} GiB" for t in r["activations_peak_top"][:4]),
                   f"- stand-ins: {r['stand_ins']['scalar_reads']} host scalar reads answered by a "
