@@ -2,7 +2,7 @@
 
 Usage (the driver's own arguments, e.g. what a cluster script passes to it):
 
-    megatron-pdm-simulate --world 8 --output-dir results/simulate/bf16-1node \\
+    megatron-pdm-simulate --world 8 --output-dir results/simulate/run \\
         $(bash examples/qwen3_30b_a3b/train_pdm.sh --print-args)
 
 For each `--ranks` entry it builds the trainer's model, DDP wrapper and optimizer at the
