@@ -15,7 +15,7 @@ NPROC   ?= 2
 # two runs on one machine never collide and no chosen port can be taken in between.
 TORCHRUN_PORT = $(if $(MASTER_PORT),--master-port $(MASTER_PORT),--standalone --local-addr 127.0.0.1)
 
-.PHONY: demo test bench venv clean vllm-venv demo-vllm real-model demo-real stability study-report
+.PHONY: demo test bench venv clean vllm-venv demo-vllm real-model demo-real stability study-report simulate
 
 $(STAMP): setup.py constraints/ci.txt
 	$(PY) -m venv $(VENV)
@@ -40,6 +40,14 @@ demo: $(STAMP)
 # A killed grid resumes: finished cells (records.jsonl) are skipped.
 stability: $(STAMP)
 	OMP_NUM_THREADS=1 nice -n 5 $(VPY) -m megatron_pdm.tools.stability $(ARGS)
+
+# make simulate [WORLD=8] [RECIPE=examples/qwen3_30b_a3b/train_pdm.sh] [ARGS=...]: one RL step of
+# the recipe per simulated rank on fake tensors (docs/simulate.md), into results/simulate/run.
+WORLD  ?= 8
+RECIPE ?= examples/qwen3_30b_a3b/train_pdm.sh
+simulate: $(STAMP)
+	OMP_NUM_THREADS=1 nice -n 5 $(VPY) -m megatron_pdm.tools.simulate --world $(WORLD) \
+		--output-dir results/simulate/run $(ARGS) $$(bash $(RECIPE) --print-args)
 
 # The megatron-facing tests also run on the newest megatron-core (MCORE_LATEST_TESTS, on Python
 # 3.12, venv .cache/py312-mcore019 built by scripts/check_mcore_latest.sh beside the other envs,

@@ -104,6 +104,7 @@ CONSOLE_SCRIPTS = [
     "megatron-pdm-prepare-real-model = megatron_pdm.tools.prepare_real_model:main",
     "megatron-pdm-stability = megatron_pdm.tools.stability:cli",
     "megatron-pdm-study-report = megatron_pdm.tools.study_report:main",
+    "megatron-pdm-simulate = megatron_pdm.tools.simulate:main",
 ]
 
 setup(
