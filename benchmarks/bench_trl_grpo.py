@@ -187,11 +187,13 @@ def cmd_trl(a) -> dict:
 
         def on_step_end(self, args, state, control, **kw):
             times.append(time.perf_counter() - self.t0)
+            print(f"trl step {len(times)}: {times[-1]:.1f} s", flush=True)
 
     model = AutoModelForCausalLM.from_pretrained(str(ROOT / MODEL_DIR), dtype=torch.float32)
     evalset = task.eval_problems(shared["seed"], shared["eval_prompts"])
     t0 = time.time()
-    before = _greedy_eval(model, task, evalset, a.eval_batch)
+    # --skip-eval: speed only (seconds per iteration, tokens per second); accuracies nan
+    before = (0, 0) if a.skip_eval else _greedy_eval(model, task, evalset, a.eval_batch)
     eval_s = time.time() - t0
     cfg = GRPOConfig(**tc.grpo_config_kwargs(shared, output_dir=str(ROOT / "runs/trl_grpo")))
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=ds,
@@ -199,7 +201,7 @@ def cmd_trl(a) -> dict:
     t1 = time.time()
     trainer.train()
     train_s = time.time() - t1
-    after = _greedy_eval(trainer.model, task, evalset, a.eval_batch)
+    after = (0, 0) if a.skip_eval else _greedy_eval(trainer.model, task, evalset, a.eval_batch)
     res = tc.run_summary(
         "trl", times, tokens, before, after, shared=shared, reward_mean=rewards,
         engine="HF transformers generate in the training process (TRL use_vllm=False)",
@@ -218,6 +220,11 @@ def cmd_trl(a) -> dict:
 def cmd_table(a) -> None:
     names = a.runs or ["trl", "driver-grpo", "driver-pdm-agg"]
     runs = [json.load(open(os.path.join(a.out_dir, n + ".json"))) for n in names]
+    if a.first:  # compare the same iterations (the first N) where the runs have more
+        runs = [tc.run_summary(r["name"], r["iteration_s"][:a.first],
+                               r["response_tokens"][:a.first], tuple(r["acc_before"]),
+                               tuple(r["acc_after"]) if r["iterations"] == a.first else (0, 0))
+                for r in runs]
     rows = tc.ratio_rows(runs, a.baseline)
     md = tc.markdown_table(rows, a.baseline)
     with open(os.path.join(a.out_dir, "compare.json"), "w") as f:
@@ -253,9 +260,14 @@ def main(argv=None) -> None:
         if name in ("trl", "all"):
             s.add_argument("--trl-threads", type=int, default=2)
             s.add_argument("--eval-batch", type=int, default=16)
+            s.add_argument("--skip-eval", action="store_true",
+                           help="no held-out evaluation on the TRL side (HF generate is slow)")
         if name in ("table", "all"):
             s.add_argument("--baseline", default="trl")
             s.add_argument("--runs", nargs="*", default=None)
+            s.add_argument("--first", type=int, default=0,
+                           help="use the first N iterations of every run (accuracy only where a "
+                           "run had exactly N)")
     a = p.parse_args(argv)
     if a.cmd == "driver":
         cmd_driver(a)
@@ -270,6 +282,7 @@ def main(argv=None) -> None:
         trl_py = str(ROOT / ".venv-trl/bin/python")
         subprocess.run([trl_py, __file__, "trl", "--out-dir", a.out_dir,
                         "--trl-threads", str(a.trl_threads), "--eval-batch", str(a.eval_batch),
+                        *(["--skip-eval"] if a.skip_eval else []),
                         *[x for s in a.set for x in ("--set", s)]], check=True)
         a.runs = None
         cmd_table(a)
