@@ -15,7 +15,7 @@ NPROC   ?= 2
 # two runs on one machine never collide and no chosen port can be taken in between.
 TORCHRUN_PORT = $(if $(MASTER_PORT),--master-port $(MASTER_PORT),--standalone --local-addr 127.0.0.1)
 
-.PHONY: demo test bench venv clean vllm-venv demo-vllm real-model demo-real stability study-report simulate
+.PHONY: demo test bench venv clean vllm-venv demo-vllm real-model demo-real stability study-report simulate bench-trl
 
 $(STAMP): setup.py constraints/ci.txt
 	$(PY) -m venv $(VENV)
@@ -128,6 +128,15 @@ demo-real: real-model vllm-venv
 # results they name (results/mask_study/*/results.json; megatron_pdm/analysis/stored.py).
 study-report: $(STAMP)
 	$(VPY) -m megatron_pdm.tools.study_report --update-doc docs/mask-study.md
+
+# make bench-trl [ARGS="--set train.iterations=3 --set train.eval_prompts=64"]: TRL's GRPOTrainer
+# side by side with the driver (GRPO preset and PDM) on the real model, into results/trl_compare
+# (docs/real-model.md, "Side by side with TRL"); TRL lives in its own .venv-trl (benchmark only).
+bench-trl: real-model vllm-venv
+	scripts/setup_trl_cpu.sh
+	test -f $(REAL_MCORE)/pdm_model.json || $(VPY) -m megatron_pdm.tools.convert_hf_to_megatron \
+		--hf-dir $(REAL_MODEL) --out $(REAL_MCORE) --tp 1
+	OMP_NUM_THREADS=1 $(VPY) benchmarks/bench_trl_grpo.py all --mcore-dir $(REAL_MCORE) $(ARGS)
 
 bench: $(STAMP)
 	$(VPY) benchmarks/bench_op.py

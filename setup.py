@@ -85,6 +85,13 @@ EXTRAS = {
         "accelerate>=1.0",
         "transformers>=5.0,<6",
     ],
+    # benchmarks/bench_trl_grpo.py's TRL side only (never imported by the library); the
+    # benchmark's own environment, .venv-trl, is built from the exact pins of
+    # scripts/trl-cpu-constraints.txt by scripts/setup_trl_cpu.sh (`make bench-trl`).
+    "bench-trl": [
+        "trl>=1.16,<2",
+        "datasets>=4",
+    ],
     # log.wandb=true (Weights & Biases); imported only when enabled.
     "wandb": [
         "wandb>=0.17",

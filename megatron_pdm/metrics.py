@@ -80,7 +80,19 @@ TIME_ROLLOUT = "time/rollout_s"
 TIME_UNIX = "time/unix_s"
 """Wall-clock time the row was written (iteration rates; excluded from exactness checks)."""
 TIME_TRAIN_STEP = "time/train_step_s"
+"""The optimizer step's wall-clock time (TIME_FWD_BWD + TIME_OPTIMIZER + metric reduction)."""
+TIME_FWD_BWD = "time/fwd_bwd_s"
+"""Zeroing, forward and backward of the step's micro-batches (gradients finalised)."""
+TIME_OPTIMIZER = "time/optimizer_s"
+"""The optimizer's update (clipping included)."""
 TIME_WEIGHT_SYNC = "time/weight_sync_s"
+"""The weight push after the iteration's last step (on its last row; 0 on the others)."""
+TIME_ITERATION = "time/iteration_s"
+"""Wall-clock time of the whole iteration, push included (on its last row; 0 on the others);
+minus the phases above it leaves scoring, packing and logging."""
+PAD_FRAC = "rollout/pad_frac"
+"""Fraction of the packed [b, s] token slots that are padding (right padding to the longest
+prompt + response of the batch): forward/backward work spent on no token."""
 
 ALL_KEYS = (
     MASKED_FRAC, MASKED_FRAC_POS_ADV, MASKED_FRAC_NEG_ADV, OUT_OF_REGION_FRAC,
