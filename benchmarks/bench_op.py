@@ -16,7 +16,8 @@ Inputs (benchmarks/bench_inputs.py): `realistic` = what RL feeds the op (support
 behaviour distribution near the policy, sampled tokens drawn from the policy, behaviour
 log-probs from that distribution), `random` = the earlier random-support inputs, `real` = the
 real model's logits (SmolLM2-135M-Instruct, V = 49,152: `--real` sets N 2048, V_local 16384 at
-TP 3; give --tp 1 --vocab-local 49152 for the whole vocabulary). The logits are
+TP 3; give --tp 1 for the whole vocabulary). V_local defaults to one TP rank's shard of
+megatron's padded vocabulary (`megatron_pdm.arch.vocab_shard_width`). The logits are
 a non-leaf (`base * w` with a scalar leaf w, made outside the timed region), as inside Megatron,
 and the gradient is taken with torch.autograd.grad(loss, logits): no AccumulateGrad copy for
 any variant. Loss = sum of the per-token CE (resp. sum of log pi_k), gradient of ones.
@@ -38,8 +39,8 @@ peak RSS (VmHWM, reset through /proc/self/clear_refs once the inputs and the log
 the RSS at that point is the "extra peak" a variant needs over its inputs.
 
 Usage:
-  python benchmarks/bench_op.py --tokens 2048 --vocab-local 76032 --threads 1
-  python benchmarks/bench_op.py --tokens 8192 --vocab-local 38016 --tp 4 --dtype bf16 \
+  python benchmarks/bench_op.py --tokens 2048 --tp 2 --threads 1     # V_local 76032
+  python benchmarks/bench_op.py --tokens 8192 --tp 4 --dtype bf16 \
       --inputs realistic,random --threads 2 --json results.jsonl
   python benchmarks/bench_op.py --real --threads 1      # real model, TP 3 shard
 """
@@ -78,7 +79,14 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 from bench_inputs import describe, make_inputs
+
+from megatron_pdm.arch import vocab_shard_width
+
+V_QWEN3 = 151936  # Qwen3's vocabulary
+V_REAL = 49152  # SmolLM2-135M-Instruct's (--real)
+DIVISIBLE_BY = 128  # megatron's make_vocab_size_divisible_by default
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 VARIANTS = ("ce", "op_inplace", "op_inplace_validated", "op", "gather", "ce_fp32", "op_fp32")
@@ -253,11 +261,13 @@ def run(args, kind: str) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=2048)
-    ap.add_argument("--vocab-local", type=int, default=76032,
-                    help="V_local: one shard of the padded vocabulary (megatron_pdm.arch."
-                         "padded_vocab_size, divisible_by 128): 76032 = Qwen3 "
-                         "(151936) at TP 2, 38016 at TP 4")
-    ap.add_argument("--tp", type=int, default=2, help="TP size (V = V_local * tp)")
+    ap.add_argument("--vocab", type=int, default=V_QWEN3,
+                    help="the real vocabulary the shard is cut from (Qwen3's; --real: 49152)")
+    ap.add_argument("--vocab-local", type=int, default=None,
+                    help="V_local (default: one TP rank's shard of megatron's padded vocabulary, "
+                         "megatron_pdm.arch.vocab_shard_width(--vocab, 128, --tp): 76032 for "
+                         "Qwen3 at TP 2, 38016 at TP 4)")
+    ap.add_argument("--tp", type=int, default=None, help="TP size (default 2; V = V_local * tp)")
     ap.add_argument("--top-k", type=int, default=20)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     ap.add_argument("--inputs", default="realistic,random", help="realistic and/or random")
@@ -273,12 +283,14 @@ def main() -> None:
     ap.add_argument("--pair", default="bf16", help="real inputs: the RL pair (bf16 | step)")
     args = ap.parse_args()
     if args.real:
-        given = set(sys.argv)
         args.inputs = "real"
-        if "--vocab-local" not in given:
-            args.vocab_local = 16384
-        if "--tp" not in given:
-            args.tp = 49152 // args.vocab_local
+        args.vocab = V_REAL
+        if args.tp is None:
+            args.tp = 3 if args.vocab_local is None else V_REAL // args.vocab_local
+    if args.tp is None:
+        args.tp = 2
+    if args.vocab_local is None:
+        args.vocab_local = vocab_shard_width(args.vocab, DIVISIBLE_BY, args.tp)
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"N={args.tokens} V_local={args.vocab_local} (V={args.vocab_local * args.tp}, "

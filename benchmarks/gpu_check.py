@@ -14,7 +14,7 @@ rewritten after every part. Parts:
    as for a validated batch) forward+backward under `torch.cuda.set_sync_debug_mode("error")`.
 3. op_vs_ce: `token_stats`+`policy_loss` forward+backward vs megatron's
    `vocab_parallel_cross_entropy` (validation off): median time and peak memory, N in
-   {8192, 32768}, V in {151936, 37984 (a TP4 shard)}, bf16 and fp32, the ratio in the same run;
+   {8192, 32768}, V in {151936, 38016 (a TP4 shard of the padded vocabulary)}, bf16 and fp32, the ratio in the same run;
    for bf16 logits also the op on their fp32 copy (in place, as an fp32 LM-head output would
    feed it): the measurement behind the logits-dtype rule (docs/op.md).
 4. optimizer_step: one bf16 optimizer step of a 2-layer full-width Qwen3-30B-A3B slice through the
@@ -40,8 +40,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from megatron_pdm.arch import vocab_shard_width  # noqa: E402 (pure: no torch)
+
 V_QWEN3 = 151936
-V_TP4_SHARD = 37984  # 151936 padded to 151936 (a multiple of 128*4) / 4
+V_TP4_SHARD = vocab_shard_width(V_QWEN3, 128, 4)  # 38016: 151936 padded to 152064 (128*4), / 4
 
 # part -> (seconds allowed on a GPU, seconds allowed in smoke mode); the sum stays well inside 8 min
 BUDGET_S = {"correctness": (60, 120), "no_host_sync": (60, 120), "op_vs_ce": (150, 180),
@@ -236,7 +238,7 @@ def part_op_vs_ce(sz: dict) -> dict:
 def part_optimizer_step(sz: dict) -> dict:
     import torch
 
-    from megatron_pdm.arch import Qwen3MoeArch
+    from megatron_pdm.arch import ModelArch
     from megatron_pdm.config import PolicyLossConfig
     from megatron_pdm.mcore import optimizer as mopt
     from megatron_pdm.mcore.device import place
@@ -248,7 +250,7 @@ def part_optimizer_step(sz: dict) -> dict:
     smoke = sz["device"] == "cpu"
     _single_rank_env()
     init_parallel(tp=1, ep=1, pp=1)
-    arch = Qwen3MoeArch(vocab_size=1000) if smoke else Qwen3MoeArch.qwen3_30b_a3b()
+    arch = ModelArch(vocab_size=1000) if smoke else ModelArch.qwen3_30b_a3b()
     arch.num_layers = 2
     dtype = dict(params_dtype=torch.float32) if smoke else dict(params_dtype=torch.bfloat16,
                                                                 bf16=True)

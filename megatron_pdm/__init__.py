@@ -9,6 +9,11 @@ Public API (never imports megatron):
     out   = policy_loss(stats, advantages, behavior_logprob, loss_mask, cfg, seq_ids=None)
     loss_sum, num_tokens, metrics = out
 
+Your own forward_step (docs/own-loop.md): `fold_support` (numpy) / `fold_support_torch`,
+`response_rows` + `place_on_rows` (response-aligned fields onto the logits rows that score them,
+no copy of the vocab shard), `loss_on_rows`, `normalize_loss`, `check_logprob_alignment`,
+`reduce_metrics`.
+
 `tp_group` and `vocab_size` have no default: the caller always says whether the logits are a
 vocab shard and how much of them is padding (None for both: one device, no padding).
 
@@ -34,6 +39,20 @@ _EXPORTS = {
     "policy_loss": "megatron_pdm.loss.policy_loss",
     "TokenStats": "megatron_pdm.ops.stats",
     "token_stats": "megatron_pdm.parallel.vocab_parallel",
+    # your own forward_step (docs/own-loop.md)
+    "SupportError": "megatron_pdm.ops.support",
+    "check_support": "megatron_pdm.ops.support",
+    "fold_support": "megatron_pdm.ops.support",
+    "fold_support_torch": "megatron_pdm.ops.support_torch",
+    "reduce_metrics": "megatron_pdm.metrics",
+    "Rows": "megatron_pdm.own_loop",
+    "PlacedRows": "megatron_pdm.own_loop",
+    "response_rows": "megatron_pdm.own_loop",
+    "place_on_rows": "megatron_pdm.own_loop",
+    "loss_on_rows": "megatron_pdm.own_loop",
+    "normalize_loss": "megatron_pdm.own_loop",
+    "check_logprob_alignment": "megatron_pdm.own_loop",
+    "auto_inplace": "megatron_pdm.own_loop",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -18,7 +18,8 @@ needs live here and nowhere else:
 
 * `padded_vocab_size`: megatron pads the output vocabulary to a multiple of
   `make_vocab_size_divisible_by * TP`; the padded ids are never sampled by an engine and are
-  excluded from every softmax by the loss op;
+  excluded from every softmax by the loss op; `vocab_shard_width` is one TP rank's share of it
+  (Qwen3's 151,936: 76,032 at TP 2, 38,016 at TP 4);
 * `min_world_size`: the smallest world size a (TP, PP, EP, CP, ETP) layout fits in.
 
 Fields carry HF config names in their docstrings. Fields whose metadata says `checkpoint=False`
@@ -34,15 +35,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_pdm.configtree import ConfigError, check_fields, from_mapping, to_plain
+from megatron_pdm.intmath import round_up
 
 __all__ = ["FAMILIES", "MOE_FIELDS", "ModelArch", "Qwen3MoeArch", "min_world_size",
-           "padded_vocab_size"]
+           "padded_vocab_size", "vocab_shard_width"]
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     """Megatron's output-vocab padding: the next multiple of `divisible_by * tp`."""
-    multiple = divisible_by * tp
-    return -(-vocab_size // multiple) * multiple
+    return round_up(vocab_size, divisible_by * tp)
+
+
+def vocab_shard_width(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """V_local: the columns of one TP rank's shard of megatron's padded output vocabulary."""
+    return padded_vocab_size(vocab_size, divisible_by, tp) // tp
 
 
 def min_world_size(*, tp: int, pp: int = 1, ep: int = 1, cp: int = 1, etp: int = 1) -> int:

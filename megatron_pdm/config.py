@@ -34,13 +34,16 @@ from megatron_pdm.configtree import (
 )
 
 __all__ = ["PolicyLossConfig", "PRESETS", "Proximity", "Direction", "Tail", "Shaping",
-           "Aggregation"]
+           "Aggregation", "IsLevel", "IsMask", "SeqRatio"]
 
 Proximity = Literal["ratio", "binary_tv", "binary_kl", "topk_tv", "topk_kl", "none"]
 Direction = Literal["ratio", "predictive"]
 Tail = Literal["aggregated", "uniform", "exact"]
 Shaping = Literal["mask", "drpo"]
 Aggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+IsLevel = Literal["token", "sequence"]
+IsMask = Literal["none", "token", "sequence"]
+SeqRatio = Literal["geometric", "product"]
 
 
 @dataclass(kw_only=True)
@@ -78,7 +81,31 @@ class PolicyLossConfig:
     """Threshold for tokens with A > 0 (eps_high for proximity "ratio")."""
 
     ratio_cap: float = math.inf
-    """C in min(r, C) (truncated importance weight; inf disables it, §2.2)."""
+    """C in min(w, C): the truncated importance weight (TIS) at level `is_level`, w = r (token)
+    or the sequence ratio rho (sequence); inf disables the truncation (§2.2, §10.2)."""
+
+    is_level: IsLevel = "token"
+    """Importance weight multiplying A: "token" (r_t, every method's default) or "sequence"
+    (rho_s of the token's sequence, `seq_ratio`; needs seq_ids). Detached either way (§10.2)."""
+
+    seq_ratio: SeqRatio = "geometric"
+    """How rho_s is formed from the loss rows' log r of one sequence: "geometric" (exp of the
+    mean, length-normalised) or "product" (exp of the sum, the exact sequence ratio); clamped to
+    +-log_ratio_clamp before exp (§10.1). Used by is_level / is_mask "sequence"."""
+
+    is_mask: IsMask = "none"
+    """Masked IS (MIS, §10.3): drop loss tokens whose r ("token") or whose sequence's rho
+    ("sequence") lies outside [is_mask_low, is_mask_high]; "none" disables it."""
+
+    is_mask_low: float | None = None
+    """Lower MIS bound (inclusive, > 0); None with is_mask on: 1 / is_mask_high."""
+
+    is_mask_high: float | None = None
+    """Upper MIS bound (inclusive); required with is_mask on, > is_mask_low."""
+
+    seq_mask_kl: float | None = None
+    """Off-policy sequence mask (OPSM, §10.4): drop every loss token with A < 0 of a sequence
+    whose mean log(mu / pi) over its loss rows exceeds this delta (>= 0); None disables it."""
 
     log_ratio_clamp: float = 20.0
     """log r = log pi_k - log mu_k is clamped to [-x, x] before exp (both reference codes)."""
@@ -115,6 +142,40 @@ class PolicyLossConfig:
         if self.aggregation == "seq-mean-token-sum-norm":
             if self.loss_horizon is None or self.loss_horizon <= 0:
                 raise ConfigError("seq-mean-token-sum-norm needs loss_horizon > 0")
+        self._check_off_policy()
+
+    def _check_off_policy(self) -> None:
+        """MIS bounds and the OPSM delta (§10); resolves is_mask_low = 1 / is_mask_high."""
+        if self.is_mask == "none":
+            for name in ("is_mask_low", "is_mask_high"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(f"{name}={getattr(self, name)!r} is set but "
+                                      "is_mask='none'; set is_mask to 'token' or 'sequence'")
+        else:
+            if self.is_mask_high is None:
+                raise ConfigError(f"is_mask={self.is_mask!r} needs is_mask_high (the upper "
+                                  "bound of the kept ratios)")
+            if not self.is_mask_high > 0:
+                raise ConfigError(f"is_mask_high must be > 0, got {self.is_mask_high!r}")
+            if self.is_mask_low is None:
+                self.is_mask_low = 1.0 / self.is_mask_high
+            if not 0 < self.is_mask_low < self.is_mask_high:
+                raise ConfigError(f"is_mask_low must be in (0, is_mask_high={self.is_mask_high})"
+                                  f", got {self.is_mask_low!r}")
+        if self.seq_mask_kl is not None and not self.seq_mask_kl >= 0:
+            raise ConfigError(f"seq_mask_kl must be >= 0 (or null), got {self.seq_mask_kl!r}")
+
+    @property
+    def off_policy(self) -> bool:
+        """A §10 correction beyond the token ratio is on (sequence IS, MIS or OPSM)."""
+        return (self.is_level != "token" or self.is_mask != "none"
+                or self.seq_mask_kl is not None)
+
+    @property
+    def uses_sequences(self) -> bool:
+        """The loss needs seq_ids: a sequence aggregation or a sequence-level correction."""
+        return (self.aggregation != "token-mean" or self.is_level == "sequence"
+                or self.is_mask == "sequence" or self.seq_mask_kl is not None)
 
     @property
     def divergence_kind(self) -> str:
@@ -208,6 +269,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     # No trust region: importance-weighted policy gradient A * r * grad log pi_k, no clip, no
     # mask, no ratio cap (the baseline of the stability benchmark, docs/stability.md).
     "is-pg": dict(proximity="none", direction="ratio", ratio_cap=math.inf),
+    # Truncated IS policy gradient, no trust region: A * min(r, 2) * grad log pi_k; C = 2 as in
+    # the TIS write-up and verl's rollout-correction default (§10.2).
+    "tis": dict(proximity="none", direction="ratio", ratio_cap=2.0),
     # GRPO clip-higher: eps_low 0.2 / eps_high 0.28 [P-DPPO App. C.1; C-verl]; C = inf in the
     # sanity study [P-DPPO App. C.1]. Proximity |r-1| + ratio direction is exactly PPO's clip.
     "grpo": dict(proximity="ratio", direction="ratio", delta_low=0.2, delta_high=0.28),

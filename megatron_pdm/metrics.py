@@ -32,6 +32,11 @@ ABS_PROB_DIFF = "pdm/abs_prob_diff"
 RATIO_MEAN = "pdm/ratio_mean"
 DRPO_WEIGHT_MEAN = "pdm/drpo_weight_mean"
 """Mean DRPO weight w over loss tokens (only with shaping='drpo')."""
+IS_WEIGHT_MEAN = "offpolicy/is_weight_mean"
+"""Mean importance weight min(r, C) or min(rho_seq, C) over loss tokens (with a docs/math.md
+§10 correction on: is_level "sequence", is_mask or seq_mask_kl)."""
+OFFPOLICY_MASKED_FRAC = "offpolicy/masked_frac"
+"""Fraction of loss tokens with A != 0 dropped by masked IS or the OPSM sequence mask (§10)."""
 ABS_LOGPROB_DIFF = "mismatch/abs_logprob_diff"
 """Mean |log pi_k - log mu_k| over loss tokens."""
 SAMPLED_KL = "mismatch/sampled_kl"
@@ -75,13 +80,25 @@ TIME_ROLLOUT = "time/rollout_s"
 TIME_UNIX = "time/unix_s"
 """Wall-clock time the row was written (iteration rates; excluded from exactness checks)."""
 TIME_TRAIN_STEP = "time/train_step_s"
+"""The optimizer step's wall-clock time (TIME_FWD_BWD + TIME_OPTIMIZER + metric reduction)."""
+TIME_FWD_BWD = "time/fwd_bwd_s"
+"""Zeroing, forward and backward of the step's micro-batches (gradients finalised)."""
+TIME_OPTIMIZER = "time/optimizer_s"
+"""The optimizer's update (clipping included)."""
 TIME_WEIGHT_SYNC = "time/weight_sync_s"
+"""The weight push after the iteration's last step (on its last row; 0 on the others)."""
+TIME_ITERATION = "time/iteration_s"
+"""Wall-clock time of the whole iteration, push included (on its last row; 0 on the others);
+minus the phases above it leaves scoring, packing and logging."""
+PAD_FRAC = "rollout/pad_frac"
+"""Fraction of the packed [b, s] token slots that are padding (right padding to the longest
+prompt + response of the batch): forward/backward work spent on no token."""
 
 ALL_KEYS = (
     MASKED_FRAC, MASKED_FRAC_POS_ADV, MASKED_FRAC_NEG_ADV, OUT_OF_REGION_FRAC,
     DIRECTION_DISAGREE_FRAC, DIRECTION_UNCERTAIN_FRAC, DIVERGENCE_MEAN, TOPK_KL_MEAN,
     TOPK_TV_MEAN, PI_TAIL_MEAN, MU_TAIL_MEAN, ABS_PROB_DIFF, RATIO_MEAN, DRPO_WEIGHT_MEAN,
-    ABS_LOGPROB_DIFF, SAMPLED_KL, LOSS_PG,
+    IS_WEIGHT_MEAN, OFFPOLICY_MASKED_FRAC, ABS_LOGPROB_DIFF, SAMPLED_KL, LOSS_PG,
 )
 
 
@@ -97,3 +114,27 @@ def mean_of(metric: torch.Tensor) -> float:
     """sum / count of one [sum, count] metric (nan when the count is 0)."""
     s, c = metric.tolist()
     return s / c if c else float("nan")
+
+
+def reduce_metrics(forward_data_store: list[dict], group=None) -> dict[str, float]:
+    """Sums the per-micro-batch `[sum, count]` metrics, all-reduces them over `group` (the DP
+    group when data is split over ranks) and returns the means.
+
+    Args:
+        forward_data_store: one `{key: tensor([sum, count])}` per micro-batch (what megatron's
+            forward_backward_func returns, or the metrics of your own loop's loss calls).
+        group: a process group, or None (no communication).
+    """
+    totals: dict[str, torch.Tensor] = {}
+    for item in forward_data_store:
+        for key, value in item.items():
+            v = value.detach().to(torch.float64)
+            totals[key] = totals[key] + v if key in totals else v.clone()
+    if group is not None and totals:
+        import torch.distributed as dist
+
+        keys = sorted(totals)
+        packed = torch.stack([totals[k] for k in keys])
+        dist.all_reduce(packed, group=group)  # SUM of [sum, count] over data-parallel ranks
+        totals = dict(zip(keys, packed))
+    return {k: mean_of(v) for k, v in totals.items()}

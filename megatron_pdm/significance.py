@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from statistics import NormalDist, fmean
 
 __all__ = ["bootstrap_ci", "holm", "mcnemar_exact", "paired_bootstrap_ci", "power_paired",
-           "sign_flip_test", "sign_test", "wilson_interval"]
+           "seeds_needed", "sign_flip_test", "sign_test", "wilson_interval"]
 
 EXACT_FLIP_LIMIT = 20
 """sign_flip_test enumerates all 2^n sign patterns up to this many non-zero differences."""
@@ -179,3 +179,32 @@ def power_paired(effect: float, sd: float, n: int, *, alpha: float = 0.05) -> fl
     z_a = NormalDist().inv_cdf(1 - alpha / 2)
     n_eff = max(n - z_a ** 2 / 2, 1e-9)
     return NormalDist().cdf(abs(effect) * math.sqrt(n_eff) / sd - z_a)
+
+
+def seeds_needed(effect: float, sd: float, *, alpha: float = 0.05, power: float = 0.8) -> dict:
+    """Seeds for a two-sided paired test of mean difference `effect`: the normal-approximation
+    n, plus z^2/2 for the t-test (the same correction power_paired uses).
+
+    Args:
+        effect: the difference to detect (any unit, e.g. -0.027 for -2.7 pp; the sign is
+            ignored).
+        sd: the per-seed standard deviation of the paired differences (same unit).
+
+    Returns:
+        {"normal": n_z, "t_test": n_t, "effect", "sd", "alpha", "power"}; n_t is the one to use.
+
+    Raises:
+        ValueError: effect == 0, sd <= 0, alpha or power outside (0, 1).
+    """
+    if effect == 0 or not math.isfinite(effect):
+        raise ValueError(f"power analysis: effect={effect} must be a finite non-zero difference")
+    if not sd > 0:
+        raise ValueError(f"power analysis: sd={sd} must be > 0 (the pilot's per-seed spread)")
+    for name, v in (("alpha", alpha), ("power", power)):
+        if not 0 < v < 1:
+            raise ValueError(f"power analysis: {name}={v} must be in (0, 1)")
+    z_a = NormalDist().inv_cdf(1 - alpha / 2)
+    z_b = NormalDist().inv_cdf(power)
+    n_z = ((z_a + z_b) * sd / abs(effect)) ** 2
+    return {"normal": math.ceil(n_z - 1e-9), "t_test": math.ceil(n_z + z_a ** 2 / 2 - 1e-9),
+            "n_normal_exact": n_z, "effect": effect, "sd": sd, "alpha": alpha, "power": power}

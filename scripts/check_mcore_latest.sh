@@ -13,7 +13,7 @@
 #            if it is ever called). Download ~540 MB, venv ~1.4 GB.
 #       full: torch's real dependencies (nvidia-* wheels + triton). Download ~2.6 GB, venv ~4.7 GB.
 #   - megatron-core $MCORE_VERSION (wheel), installed with --no-deps plus its non-torch deps
-#   - this package (editable, --no-deps) plus its install+test deps read from setup.py, minus
+#   - this package (editable, --no-deps) plus its install, [all] and [test] deps read from setup.py, minus
 #     torch and megatron-core (setup.py gives both as ranges, which the torch installed above
 #     satisfies; they are still left out so that pip never resolves torch here: it would pull
 #     the CUDA stack or replace this torch).
@@ -262,7 +262,8 @@ for node in tree.body:
             vals[node.targets[0].id] = ast.literal_eval(node.value)
         except ValueError:
             pass
-reqs = list(vals.get("INSTALL_REQUIRES", [])) + list(vals.get("EXTRAS", {}).get("test", []))
+extras = vals["EXTRAS"]  # a literal dict (setup.py says so): the driver's extras + the tests'
+reqs = list(vals.get("INSTALL_REQUIRES", [])) + list(extras["all"]) + list(extras["test"])
 for r in reqs:
     if not re.match(r"\s*(torch|megatron-core|megatron_core)\b", r):
         print(r)

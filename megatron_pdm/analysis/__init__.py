@@ -15,7 +15,10 @@ Modules (one job each):
     seed_study.py     one seed: evaluate, snapshot, step per criterion, re-evaluate, restore
     snapshot.py       exact snapshot / restore / verify of a megatron model + optimizer
     megatron_probe.py the Probe over the real megatron model (forward-only stats, one step)
-    summary.py        across seeds: pooled and mean rates, paired wins, bootstrap intervals
+    summary.py        across seeds: pooled and mean rates, the paired comparisons
+    inference.py      pooled counts (Wilson), sign-flip / sign tests, Holm, the primary, power check
+    controls.py       synthetic positive (oracle) and negative (copy) controls on the same tokens
+    stored.py         stored results (results/mask_study/) and the docs tables generated from them
     plots.py          the PNGs (paired per-seed comparison, predicted vs realised, global term)
     report.py         JSON and Markdown outputs
     sources.py        where out-of-region tokens come from (drift / engine precision / staleness)

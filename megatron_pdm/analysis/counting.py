@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_pdm.analysis.controls import control_keep
 from megatron_pdm.analysis.criteria import CONTROLS, KEEP_ALL, Criterion, control_key
 from megatron_pdm.analysis.token_table import TokenTable
 
@@ -95,12 +96,16 @@ def _step_counts(kept_oor: torch.Tensor, kept_active: torch.Tensor, away: torch.
 
 
 def _criterion_counts(c: Criterion, before: TokenTable, after: dict[str, TokenTable],
-                      baseline_away: torch.Tensor | None, tol: float) -> dict:
+                      baseline_away: torch.Tensor | None, tol: float,
+                      kept: torch.Tensor | None = None) -> dict:
+    """Criterion c's counts; `kept` (a synthetic control's decisions, controls.py) replaces
+    c's own mask, everything else (its step, its direction score) stays c's."""
     active = before["adv"] != 0
     d0 = before[c.divergence]
     delta = c.cfg.delta_high  # delta_low == delta_high for every study criterion
     oor = active & (d0 > delta)
-    kept = before[f"keep/{c.name}"] > 0
+    if kept is None:
+        kept = before[f"keep/{c.name}"] > 0
     away = before[f"away/{c.name}"]
     kept_oor = kept & oor
     delta_d = after[c.name][c.divergence] - d0
@@ -170,8 +175,23 @@ def _prediction_scores(criteria: list[Criterion], before: TokenTable, ref: Token
     return out
 
 
+def _control_counts(ctrl, c: Criterion, before: TokenTable, after: dict[str, TokenTable],
+                    tol: float, seed: int) -> dict:
+    """A synthetic control's counts (controls.py): c's step, the control's keep decisions."""
+    active = before["adv"] != 0
+    d0 = before[c.divergence]
+    oor = active & (d0 > c.cfg.delta_high)
+    kept_base = before[f"keep/{c.name}"] > 0
+    kept = control_keep(ctrl, kept_base, oor, after[c.name][c.divergence] - d0, tol=tol,
+                        seed=seed)
+    out = _criterion_counts(c, before, after, None, tol, kept=kept)
+    out.update(control=ctrl.kind, base=c.name, flip=ctrl.flip,
+               n_flipped_out_of_region=_n((kept != kept_base) & oor))
+    return out
+
+
 def count_seed(criteria: list[Criterion], before: TokenTable, after: dict[str, TokenTable], *,
-               tol: float = 0.0) -> dict:
+               tol: float = 0.0, controls: tuple = (), control_seed: int = 0) -> dict:
     """All per-seed counts and rates (module docstring).
 
     Args:
@@ -181,6 +201,9 @@ def count_seed(criteria: list[Criterion], before: TokenTable, after: dict[str, T
             the unmasked reference step (optional: without it there are no prediction scores);
             optionally the control steps under `criteria.control_key` (module docstring).
         tol: dead zone of dD (>= 0).
+        controls: synthetic controls (controls.Control), counted under their names beside
+            the criteria from their base criterion's tables.
+        control_seed: seeds the oracle control's flips (the study seed).
 
     Returns:
         {"n_tokens", "n_active", "n_shared_state" (None without state columns),
@@ -197,6 +220,13 @@ def count_seed(criteria: list[Criterion], before: TokenTable, after: dict[str, T
     for c in criteria:
         base_away = before[f"away/{c.baseline}"] if c.baseline is not None else None
         per[c.name] = _criterion_counts(c, before, after, base_away, tol)
+    by_name = {c.name: c for c in criteria}
+    for ctrl in controls:
+        if ctrl.base not in by_name:
+            raise ValueError(f"control {ctrl.name}: base criterion {ctrl.base!r} not among "
+                             f"{list(by_name)}")
+        per[ctrl.name] = _control_counts(ctrl, by_name[ctrl.base], before, after, tol,
+                                         control_seed)
     pred = (_prediction_scores(criteria, before, after[KEEP_ALL], tol) if KEEP_ALL in after
             else {})
     shared = shared_state(before)

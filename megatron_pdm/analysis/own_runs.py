@@ -37,6 +37,7 @@ from megatron_pdm.analysis.counting import rate
 from megatron_pdm.analysis.megatron_probe import MegatronProbe, verify_all_ranks
 from megatron_pdm.analysis.seed_log import SeedLog
 from megatron_pdm.analysis.seed_study import measure_seed
+from megatron_pdm.analysis.study_setup import gather_setup, open_study
 from megatron_pdm.analysis.summary import summarize
 from megatron_pdm.mcore import optimizer as mopt
 from megatron_pdm.train import schedule as sched
@@ -74,8 +75,11 @@ def pool_steps(entries: list[dict]) -> dict:
     return out
 
 
-def _one_run(a, trainer, c, criteria, seed: int, start, stats_dtype, rows: list) -> dict:
-    """Criterion c's run for `seed` from the snapshot `start`; appends a row per step."""
+def _one_run(a, trainer, c, criteria, seed: int, start, stats_dtype, rows: list,
+             controls: list = ()) -> dict:
+    """Criterion c's run for `seed` from the snapshot `start`; appends a row per step.
+    Returns {name: pooled entry} for c and the synthetic controls based on c (controls.py,
+    counted at every step of c's run on c's tokens)."""
     cfg = trainer.cfg
     snap_mod.restore_snapshot(start, trainer.model, trainer.optimizer)
     bad = verify_all_ranks(start, trainer.model, trainer.optimizer)
@@ -83,7 +87,9 @@ def _one_run(a, trainer, c, criteria, seed: int, start, stats_dtype, rows: list)
         raise RuntimeError(f"seed {seed}, criterion {c.name}: the start state is not restored "
                            f"bit-exactly ({len(bad)} entries differ, first: {bad[:5]})")
     trainer.sync_weights()  # the engine samples from the start state's weights
-    step, it0, entries = trainer.step, trainer.iteration, []
+    mine = [k for k in controls if k.base == c.name]
+    step, it0 = trainer.step, trainer.iteration
+    entries: dict[str, list] = {n: [] for n in [c.name] + [k.name for k in mine]}
     for i in range(a.run_iterations):
         it = it0 + i
         batch = sources.fresh_batch(trainer, seed, it, engine_seed=seed * 1000 + i)
@@ -92,11 +98,13 @@ def _one_run(a, trainer, c, criteria, seed: int, start, stats_dtype, rows: list)
             mopt.set_lr(trainer.optimizer, lr)
             probe = MegatronProbe(trainer.model, trainer.optimizer, mbs, criteria,
                                   pp=cfg.parallel.pp, stats_dtype=stats_dtype)
-            m = measure_seed(probe, [c], None, tol=a.tol, sgd_lr=a.sgd_lr)  # state restored
+            m = measure_seed(probe, [c], None, tol=a.tol, sgd_lr=a.sgd_lr, controls=mine,
+                             control_seed=(seed * 1000 + i) * 100 + j)  # state restored
             probe.step(c.cfg)  # the run's own step (the measured one, taken for real)
             step += 1
+            for name, lst in entries.items():
+                lst.append(m.counts["criteria"][name])
             e = m.counts["criteria"][c.name]
-            entries.append(e)
             rows.append({"seed": seed, "criterion": c.name, "iteration": i, "minibatch": j,
                          "lr": lr, "n_active": m.counts["n_active"],
                          **{k: e.get(k) for k in (
@@ -104,28 +112,29 @@ def _one_run(a, trainer, c, criteria, seed: int, start, stats_dtype, rows: list)
                              "n_shrink_kept", "mean_delta_d_kept_out_of_region",
                              "n_unsafe_kept@momentum", "n_unsafe_kept@gradient")}})
         trainer.sync_weights()  # the next iteration samples from this run's weights
-    return pool_steps(entries)
+    return {name: pool_steps(lst) for name, lst in entries.items()}
 
 
 def run_own_runs(a) -> dict | None:
     """Design "runs" (module docstring); collective. Returns the results on rank 0."""
-    from megatron_pdm.analysis.study import _gather_setup, open_study
-
     if a.batches != "fresh":
         raise ValueError("design 'runs' generates its own batches along each run: "
                          "use --batches fresh")
     stats_dtype = {"fp64": torch.float64, "fp32": torch.float32}[a.stats_dtype]
     cfg, path, trainer, criteria, j, t_start = open_study(a)
+    controls = a.synthetic_controls()
     start = snap_mod.take_snapshot(trainer.model, trainer.optimizer)
     per_seed, rows, seed_times = [], [], []
     seed_log = SeedLog(a.out_dir, enabled=dist.get_rank() == 0)
     for seed in a.seeds:
         t0 = time.time()
-        pooled = {c.name: _one_run(a, trainer, c, criteria, seed, start, stats_dtype, rows)
-                  for c in criteria}
-        for c in criteria:  # the disagreement count needs the baseline's entry too
-            pooled[c.name].setdefault("n_disagree", None)
-            pooled[c.name].setdefault("n_disagree_out_of_region", None)
+        pooled = {}
+        for c in criteria:
+            pooled.update(_one_run(a, trainer, c, criteria, seed, start, stats_dtype, rows,
+                                   controls))
+        for entry in pooled.values():  # the disagreement count needs the baseline's entry too
+            entry.setdefault("n_disagree", None)
+            entry.setdefault("n_disagree_out_of_region", None)
         per_seed.append({"seed": seed, "criteria": pooled, "prediction": {},
                          "n_active": sum(r["n_active"] for r in rows if r["seed"] == seed)})
         # on disk before the next seed (with its per-step rows): a killed study keeps it
@@ -137,7 +146,7 @@ def run_own_runs(a) -> dict | None:
     if dist.get_rank() == 0:
         import os
 
-        setup = _gather_setup(a, cfg, path, trainer.iteration, trainer, j)
+        setup = gather_setup(a, cfg, path, trainer.iteration, trainer, j)
         m = cfg.train.minibatches_per_iteration
         setup.update(seeds=list(a.seeds), wall_s=time.time() - t_start,
                      seconds_per_seed=sum(seed_times) / len(seed_times), seed_seconds=seed_times,
@@ -147,7 +156,8 @@ def run_own_runs(a) -> dict | None:
                                    f" prompts x {cfg.rollout.group_size} samples at the run's "
                                    "current weights"),
                      minibatch="every", stale_steps="0..3 (every step of the run)")
-        summary = summarize(per_seed, criteria, bootstrap_seed=a.bootstrap_seed)
+        summary = summarize(per_seed, criteria, controls=controls, primary=a.primary,
+                            power=a.power, bootstrap_seed=a.bootstrap_seed)
         os.makedirs(a.out_dir, exist_ok=True)
         report.write_json(os.path.join(a.out_dir, "results.json"), setup, summary, per_seed,
                           per_step=rows)

@@ -57,7 +57,7 @@ def plot_paired(summary: dict, path: str, title: str) -> str:
                    alpha=0.6)
         if p["mean_difference"] is not None:
             m = 100 * p["mean_difference"]
-            ci = p["ci95"]
+            ci = p["bootstrap_ci95_descriptive"]
             err = [[m - 100 * ci[0]], [100 * ci[1] - m]] if ci else None
             bx.errorbar([k + 0.3], [m], yerr=err, fmt="o", color="black", capsize=4)
     pad = max(1.0, 0.05 * (hi - lo))
@@ -76,7 +76,7 @@ def plot_paired(summary: dict, path: str, title: str) -> str:
     bx.set_xticklabels([f"{n}\nminus {p['baseline']}" for n, p in zip(names, summary["paired"])],
                        fontsize=8)
     bx.set_ylabel("difference in unsafe-keep rate (percentage points)")
-    bx.set_title("per-seed paired difference (dots); mean and 95% bootstrap interval (black)",
+    bx.set_title("per-seed paired difference (dots); mean and 95% bootstrap interval, descriptive (black)",
                  fontsize=10)
     fig.suptitle(title)
     fig.tight_layout()

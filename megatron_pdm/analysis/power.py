@@ -11,60 +11,44 @@ on a pilot), with a two-sided test at level alpha and power 1 - beta:
 
 both rounded up. At the paper's -2.7 pp with a per-seed SD of 5.9 pp: n_z = 37.5 -> 38, n_t = 40.
 `pilot_sd` reads the SD of the per-seed differences from a pilot study's results.json.
+
+The pilot must be independent of the study: a pilot whose seeds are among the study's (an
+internal pilot) lets the seeds that chose n count again in the test. `check_independent` refuses
+that, naming both seed lists (the study runs other seeds, e.g. `--first-seed`). After the study,
+inference.power_check sets the SD measured on the study's own seeds beside the assumed one.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import statistics
-from statistics import NormalDist
 
-__all__ = ["pilot_sd", "seeds_needed"]
+from megatron_pdm.significance import seeds_needed  # the one formula; re-exported here
 
-
-def seeds_needed(effect: float, sd: float, *, alpha: float = 0.05, power: float = 0.8) -> dict:
-    """Seeds for a two-sided paired test of mean difference `effect` (module docstring).
-
-    Args:
-        effect: the difference to detect (any unit, e.g. -0.027 for -2.7 pp; the sign is
-            ignored).
-        sd: the per-seed standard deviation of the paired differences (same unit).
-
-    Returns:
-        {"normal": n_z, "t_test": n_t, "effect", "sd", "alpha", "power"}; n_t is the one to use.
-
-    Raises:
-        ValueError: effect == 0, sd <= 0, alpha or power outside (0, 1).
-    """
-    if effect == 0 or not math.isfinite(effect):
-        raise ValueError(f"power analysis: effect={effect} must be a finite non-zero difference")
-    if not sd > 0:
-        raise ValueError(f"power analysis: sd={sd} must be > 0 (the pilot's per-seed spread)")
-    for name, v in (("alpha", alpha), ("power", power)):
-        if not 0 < v < 1:
-            raise ValueError(f"power analysis: {name}={v} must be in (0, 1)")
-    z_a = NormalDist().inv_cdf(1 - alpha / 2)
-    z_b = NormalDist().inv_cdf(power)
-    n_z = ((z_a + z_b) * sd / abs(effect)) ** 2
-    return {"normal": math.ceil(n_z - 1e-9), "t_test": math.ceil(n_z + z_a ** 2 / 2 - 1e-9),
-            "n_normal_exact": n_z, "effect": effect, "sd": sd, "alpha": alpha, "power": power}
+__all__ = ["check_independent", "pilot_sd", "pilot_seeds", "seeds_needed"]
 
 
 def pilot_sd(results_json: str, criterion: str | None = None) -> tuple[float, int]:
     """(SD of the per-seed paired differences, number of defined seeds) of a pilot study.
 
     Args:
-        results_json: a study's results.json (either design).
+        results_json: a study's results.json (either design) or its stored copy.
         criterion: the predictive criterion of the pair (default: the first pair).
 
     Raises:
         ValueError: no such pair, or fewer than 2 seeds with a defined difference.
     """
     with open(results_json) as f:
-        summary = json.load(f)["summary"]
+        results = json.load(f)
+    if "summary" in results:
+        summary = results["summary"]
+    else:  # a stored copy (stored.py): the summary recomputed from its per-seed counts
+        from megatron_pdm.analysis.stored import recompute
+
+        summary = recompute(results)
     pairs = summary.get("paired", [])
     pick = [p for p in pairs if criterion is None or p["criterion"] == criterion]
+    pick = sorted(pick, key=lambda p: not p.get("primary", False))  # the primary first
     if not pick:
         raise ValueError(f"{results_json}: no paired comparison for {criterion or 'any'} "
                          f"(pairs: {[p['criterion'] for p in pairs]})")
@@ -73,3 +57,32 @@ def pilot_sd(results_json: str, criterion: str | None = None) -> tuple[float, in
         raise ValueError(f"{results_json}: {len(diffs)} seeds with a defined difference for "
                          f"{pick[0]['criterion']}; a pilot needs at least 2")
     return statistics.stdev(diffs), len(diffs)
+
+
+def pilot_seeds(results_json: str) -> list:
+    """The seeds a pilot study ran (its results.json `setup.seeds`).
+
+    Raises:
+        ValueError: the file records no seeds (its independence cannot be checked).
+    """
+    with open(results_json) as f:
+        seeds = json.load(f).get("setup", {}).get("seeds")
+    if not seeds:
+        raise ValueError(f"{results_json}: no setup.seeds recorded; a pilot's seeds must be "
+                         "known to check that the study does not reuse them")
+    return list(seeds)
+
+
+def check_independent(pilot: str, pilot_seed_list: list, study_seeds: list) -> None:
+    """Refuses a pilot whose seeds overlap the study's.
+
+    Raises:
+        ValueError: naming the pilot file, both seed lists and the shared seeds.
+    """
+    shared = sorted(set(pilot_seed_list) & set(study_seeds))
+    if shared:
+        raise ValueError(
+            f"--pilot {pilot}: its seeds {list(pilot_seed_list)} overlap the study's seeds "
+            f"{list(study_seeds)} (shared: {shared}); a pilot that chooses the seed count "
+            "must be independent of the study: run the study on other seeds (--seeds or "
+            f"--first-seed {max(pilot_seed_list) + 1})")

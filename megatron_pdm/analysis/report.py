@@ -15,7 +15,7 @@ import math
 
 from megatron_pdm.analysis.summary import sign_test_p
 
-__all__ = ["PAPER", "markdown", "write_json"]
+__all__ = ["PAPER", "criteria_table", "inference_lines", "markdown", "paired_table", "write_json"]
 
 PAPER = {
     "unsafe_keep_rate_ratio": 0.369, "unsafe_keep_rate_predictive": 0.342, "wins": 38,
@@ -59,20 +59,31 @@ def _num(x, digits: int = 1) -> str:
     return "n/a" if x is None else f"{x:.{digits}f}"
 
 
-def _criteria_table(summary: dict) -> list[str]:
+def _wilson(r: dict) -> str:
+    """"k / n = rate [Wilson 95%]" of a pooled rate summary."""
+    if not r.get("n"):
+        return "n/a (0 eligible)"
+    lo, hi = r["wilson95"]
+    return f"{r['k']} / {r['n']} = {_pct(r['pooled'])} [{_pct(lo)}, {_pct(hi)}]"
+
+
+def criteria_table(summary: dict) -> list[str]:
     header = ("| criterion | D, δ | out-of-region / seed | kept out-of-region / seed | "
-              "disagree with ratio (out-of-region / all) / seed | unsafe-keep rate, pooled | "
-              "unsafe-keep rate, seed mean [95% CI] | shrink share, pooled | "
+              "disagree with ratio (out-of-region / all) / seed | unsafe keep, pooled: "
+              "k / n = rate [Wilson 95%] | seeds without a rate | "
+              "unsafe-keep rate, seed mean [bootstrap 95%, descriptive] | shrink share, pooled | "
               "own-step sign accuracy |")
-    lines = [header, "|---|---|---|---|---|---|---|---|---|"]
+    lines = [header, "|---|---|---|---|---|---|---|---|---|---|"]
     for name, c in summary["criteria"].items():
         u = c["unsafe_keep_rate"]
         dis = ("—" if c["mean_n_disagree"] is None else
                f"{_num(c['mean_n_disagree_out_of_region'])} / {_num(c['mean_n_disagree'])}")
         lines.append(
             f"| {name} | {c['divergence']}, {c['delta']:g} | {_num(c['mean_n_out_of_region'])} | "
-            f"{_num(c['mean_n_kept_out_of_region'])} | {dis} | {_pct(u['pooled'])} | "
-            f"{_pct(u['mean'])}{_ci(u['ci95'])} | {_pct(c['shrink_share']['pooled'])} | "
+            f"{_num(c['mean_n_kept_out_of_region'])} | {dis} | {_wilson(u)} | "
+            f"{u.get('n_seeds_no_rate', 'n/a')} | "
+            f"{_pct(u['mean'])}{_ci(u['bootstrap_ci95_descriptive'])} | "
+            f"{_pct(c['shrink_share']['pooled'])} | "
             f"{_pct(c['own_sign_accuracy']['pooled'])} |")
     return lines
 
@@ -100,15 +111,58 @@ def _controls_table(summary: dict) -> list[str]:
     return lines
 
 
-def _paired_table(summary: dict) -> list[str]:
-    lines = [("| criterion vs baseline | seeds | wins / losses / ties | mean difference "
-              "[95% CI] | sign test p |"), "|---|---|---|---|---|"]
+def _p(x) -> str:
+    return "n/a" if x is None else f"{x:.3g}"
+
+
+def paired_table(summary: dict) -> list[str]:
+    """The comparisons: seeds entered / run, the two tests, Holm, verdict; primary marked."""
+    lines = [("| comparison (unsafe-keep rate) | seeds entered / run (no rate: criterion, "
+              "baseline) | wins / losses / ties | mean difference [bootstrap 95%, descriptive] "
+              "| SD of the difference | sign-flip p | sign test p | Holm p (sign-flip; family "
+              "of all rows) | verdict |"), "|---|---|---|---|---|---|---|---|---|"]
     for p in summary["paired"]:
-        ci = "" if not p["ci95"] else f" [{100 * p['ci95'][0]:+.2f}, {100 * p['ci95'][1]:+.2f}]"
-        pval = "n/a" if p["sign_test_p"] is None else f"{p['sign_test_p']:.3f}"
-        lines.append(f"| {p['criterion']} vs {p['baseline']} | {p['seeds']} | {p['wins']} / "
-                     f"{p['losses']} / {p['ties']} | {_pp(p['mean_difference'])}{ci} | {pval} |")
+        ci = p["bootstrap_ci95_descriptive"]
+        ci = "" if not ci else f" [{100 * ci[0]:+.2f}, {100 * ci[1]:+.2f}]"
+        nr = p["n_seeds_no_rate"]
+        sd = "n/a" if p["sd_difference"] is None else f"{100 * p['sd_difference']:.2f} pp"
+        name = f"{p['criterion']} vs {p['baseline']}" + (" (**primary**)" if p["primary"] else "")
+        lines.append(
+            f"| {name} | {p['n_seeds_entered']} / {p['n_seeds_run']} ({nr['criterion']}, "
+            f"{nr['baseline']}) | {p['wins']} / {p['losses']} / {p['ties']} | "
+            f"{_pp(p['mean_difference'])}{ci} | {sd} | {_p(p['sign_flip_p'])} | "
+            f"{_p(p['sign_test_p'])} | {_p(p['p_holm'])} | {p['verdict']} |")
     return lines
+
+
+def inference_lines(summary: dict) -> list[str]:
+    """The power check and the controls check, one paragraph each (empty when absent)."""
+    out = []
+    pc = summary.get("power_check")
+    if pc:
+        def pw(x):
+            return "n/a" if x is None else f"{x:.2f}"
+        sd_m = "n/a" if pc["sd_measured"] is None else f"{100 * pc['sd_measured']:.2f} pp"
+        out += [(f"Power ({pc['comparison']}, effect {100 * pc['effect']:+.2f} pp): SD of the "
+                 f"per-seed difference assumed {100 * pc['sd_assumed']:.2f} pp "
+                 f"({pc['sd_source']}), measured on this study's {pc['n_seeds_entered']} "
+                 f"entered seeds {sd_m}; power at {pc['n_seeds_entered']} seeds "
+                 f"{pw(pc['power_at_assumed_sd'])} at the assumed SD, "
+                 f"{pw(pc['power_at_measured_sd'])} at the measured one (the measured SD would "
+                 f"ask {pc['seeds_needed_at_measured_sd'] or 'n/a'} seeds; asked: "
+                 f"{pc['seeds_asked']})."), ""]
+    cc = summary.get("controls_check")
+    if cc:
+        parts = [f"{name} ({v['kind']}, flip {v['flip']:g}): expected {v['expected']}, got "
+                 f"{v['verdict']} (Holm p {_p(v['p_holm'])}, mean "
+                 f"{_pp(v['mean_difference'])}) - {'ok' if v['ok'] else 'FAILED'}"
+                 for name, v in cc.items() if name != "ok"]
+        out += [("Synthetic controls (counted on their base criterion's step; "
+                 "megatron_pdm/analysis/controls.py): " + "; ".join(parts) + "."), ""]
+        if not cc["ok"]:
+            out += ["**A control failed: the comparisons of this study are not to be read "
+                    "as evidence.**", ""]
+    return out
 
 
 def _prediction_table(summary: dict) -> list[str]:
@@ -182,7 +236,7 @@ def markdown(setup: dict, summary: dict) -> str:
         "",
         "## Per criterion",
         "",
-        *_criteria_table(summary),
+        *criteria_table(summary),
         "",
         (f"Paper (PDM, 61 seeds): unsafe-keep rate {_pct(p['unsafe_keep_rate_ratio'])} (ratio) "
          f"vs {_pct(p['unsafe_keep_rate_predictive'])} (predictive); ~{p['disagree_per_seed']} "
@@ -200,8 +254,9 @@ def markdown(setup: dict, summary: dict) -> str:
         "",
         "## Paired comparison (unsafe-keep rate; a lower rate wins)",
         "",
-        *_paired_table(summary),
+        *paired_table(summary),
         "",
+        *inference_lines(summary),
         (f"Paper: predictive better in {p['wins']} of {p['seeds']} seeds (two-sided sign test "
          f"p = {sign_test_p(p['wins'], p['seeds'] - p['wins']):.3f} if the other "
          f"{p['seeds'] - p['wins']} were losses)."),

@@ -67,7 +67,8 @@ class SeedMeasurement:
 
 
 def measure_seed(probe: Probe, criteria: list[Criterion], keep_all: PolicyLossConfig | None, *,
-                 tol: float = 0.0, sgd_lr: float | None = None) -> SeedMeasurement:
+                 tol: float = 0.0, sgd_lr: float | None = None, controls: tuple = (),
+                 control_seed: int = 0) -> SeedMeasurement:
     """Runs the protocol of the module docstring on `probe`'s current state.
 
     Args:
@@ -77,6 +78,8 @@ def measure_seed(probe: Probe, criteria: list[Criterion], keep_all: PolicyLossCo
         tol: dead zone of dD for the counts.
         sgd_lr: with a value, the decomposition controls too (the zero-gradient step and one
             plain-SGD step of this size per criterion); None: no controls.
+        controls, control_seed: the synthetic controls counted beside the criteria
+            (controls.py; no step of their own) and the seed of their flips.
 
     Raises:
         RuntimeError: when the state after the restore is not bit-exact (naming what differs),
@@ -112,7 +115,8 @@ def measure_seed(probe: Probe, criteria: list[Criterion], keep_all: PolicyLossCo
         diff = [k for k in before.columns if not torch.equal(before[k].nan_to_num(7.0),
                                                              again[k].nan_to_num(7.0))]
         raise RuntimeError(f"restored state re-evaluates differently in columns {diff}")
-    return SeedMeasurement(count_seed(criteria, before, after, tol=tol), before, after)
+    return SeedMeasurement(count_seed(criteria, before, after, tol=tol, controls=controls,
+                                      control_seed=control_seed), before, after)
 
 
 def token_arrays(m: SeedMeasurement, criteria: list[Criterion]) -> dict[str, torch.Tensor]:

@@ -29,7 +29,7 @@ iterations between generation and study, j = 0). Outputs (rank 0): results.json,
 tokens.npz (per-token arrays of all seeds) and the PNGs of plots.py.
 
 Design "runs" (each criterion's own training run from the same start, measured at every step)
-is own_runs.py; it shares `open_study` and `write_outputs`.
+is own_runs.py; the arguments and the setup both designs share are in study_setup.py.
 """
 
 from __future__ import annotations
@@ -37,147 +37,32 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 import torch.distributed as dist
 
 from megatron_pdm.analysis import plots, report, sources
 from megatron_pdm.analysis import snapshot as snap_mod
-from megatron_pdm.analysis.criteria import (
-    DEFAULT_CRITERIA,
-    build_criteria,
-    keep_all_config,
-)
+from megatron_pdm.analysis.criteria import keep_all_config
 from megatron_pdm.analysis.megatron_probe import MegatronProbe, verify_all_ranks
 from megatron_pdm.analysis.seed_log import SeedLog
 from megatron_pdm.analysis.seed_study import measure_seed, token_arrays
+from megatron_pdm.analysis.study_setup import (
+    StudyArgs,
+    gather_setup,
+    open_study,
+    resolve_config,
+    rollouts_dir,
+)
 from megatron_pdm.analysis.summary import summarize
-from megatron_pdm.configtree import ConfigError, apply_override, check_fields
-from megatron_pdm.mcore import checkpoint as ckpt
-from megatron_pdm.mcore.device import current_device
+from megatron_pdm.configtree import ConfigError
 from megatron_pdm.mcore import optimizer as mopt
 from megatron_pdm.train import rollout_store
 from megatron_pdm.train import schedule as sched
-from megatron_pdm.train.config import RunConfig
 
 __all__ = ["StudyArgs", "resolve_config", "run_study"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class StudyArgs:
-    """What the CLI passes (see megatron_pdm/tools/analyze_masks.py for the flags): a typed
-    section like the run config's (megatron_pdm/configtree.py): built directly or with
-    `from_mapping(StudyArgs, {...})`, every field is checked against its annotation on
-    construction, and a bad value is a ConfigError naming its key."""
-
-    out_dir: str
-    config: str | None = None
-    overrides: list[str] = field(default_factory=list)
-    run_dir: str | None = None
-    checkpoint: str | None = None
-    batches: Literal["fresh", "saved"] = "fresh"
-    rollouts: str | None = None
-    seeds: list[int] = field(default_factory=lambda: list(range(1, 21)))
-    """fresh batches: the seeds (saved batches: every saved file is one seed)."""
-    criteria: list[str] = field(default_factory=lambda: list(DEFAULT_CRITERIA))
-    delta_kl: float = 0.15
-    delta_tv: float = 0.2
-    minibatch: int | None = None
-    tol: float = 0.0
-    bootstrap_seed: int = 0
-    plots: bool = True
-    stats_dtype: Literal["fp64", "fp32"] = "fp64"
-    """"fp64" or "fp32": dtype of the statistics in the evaluations (MegatronProbe)."""
-    adam_state: Literal["checkpoint", "fresh"] = "checkpoint"
-    """"checkpoint" (model + optimizer state) or "fresh" (model only; see `_load`)."""
-    source: Literal["drift", "precision", "stale"] = "drift"
-    """Where the out-of-region tokens come from (sources.py): drift inside the iteration, the
-    engine copy's precision (rollout.rollout_precision), or staleness (`stale_iterations`)."""
-    stale_iterations: int = 1
-    """source "stale": whole driver iterations trained between the batch and the study."""
-    sgd_lr: float | None = 1e-4
-    """Step size of the own-gradient control (plain SGD on the masked loss); with it the
-    zero-gradient control runs too. None: no decomposition controls."""
-    design: Literal["paired", "runs"] = "paired"
-    """"paired": every criterion's one step from the same state (this module); "runs": each
-    criterion's own training run from the same start, measured at every step (own_runs.py)."""
-    run_iterations: int = 3
-    """design "runs": RL iterations of each criterion's run (x minibatches steps each)."""
-    power: dict | None = None
-    """The power analysis that chose the seeds (power.seeds_needed output), recorded in setup."""
-
-    def __post_init__(self):
-        check_fields(self)  # types and Literal members, converted like a parsed section
-        if not self.seeds:
-            raise ConfigError("seeds: at least one seed")
-        if self.minibatch is not None and self.minibatch < 0:
-            raise ConfigError(f"minibatch={self.minibatch}: must be >= 0")
-        if self.stale_iterations < 1:
-            raise ConfigError(f"stale_iterations={self.stale_iterations}: must be >= 1")
-        if self.sgd_lr is not None and not self.sgd_lr > 0:
-            raise ConfigError(f"sgd_lr={self.sgd_lr}: must be > 0 (None: no controls)")
-        if self.run_iterations < 1:
-            raise ConfigError(f"run_iterations={self.run_iterations}: must be >= 1")
-
-
-def _rollouts_dir(a: StudyArgs) -> str | None:
-    if a.rollouts:
-        return a.rollouts
-    return rollout_store.rollout_dir(a.run_dir) if a.run_dir else None
-
-
-def resolve_config(a: StudyArgs) -> RunConfig:
-    """The run config (+ --set): --config, else `<run-dir>/config.yaml` (the driver writes it),
-    else the one stored with the newest saved batch."""
-    if a.config:
-        return RunConfig.load(a.config, list(a.overrides))
-    if a.run_dir and os.path.exists(os.path.join(a.run_dir, "config.yaml")):
-        return RunConfig.load(os.path.join(a.run_dir, "config.yaml"), list(a.overrides))
-    saved = rollout_store.list_rollouts(_rollouts_dir(a) or "")
-    if not saved:
-        raise ConfigError("no run config: pass --config (the driver's yaml), or a --run-dir "
-                          "holding config.yaml or saved rollouts (log.save_rollouts > 0)")
-    _, _, data = rollout_store.load_rollout(saved[-1][1])
-    for item in a.overrides:
-        apply_override(data, item)
-    return RunConfig.from_dict(data)
-
-
-def _checkpoint_path(a: StudyArgs) -> str:
-    if a.checkpoint:
-        if not os.path.isdir(a.checkpoint):
-            raise ConfigError(f"--checkpoint {a.checkpoint}: not a directory")
-        return a.checkpoint
-    if not a.run_dir:
-        raise ConfigError("pass --checkpoint (a dist checkpoint iter_N) or --run-dir")
-    path = ckpt.latest_checkpoint(os.path.join(a.run_dir, "checkpoints"))
-    if path is None:
-        raise ConfigError(f"--run-dir {a.run_dir}: no complete checkpoint in checkpoints/")
-    return path
-
-
-def _load(path: str, trainer, adam_state: str) -> dict:
-    """Loads the checkpoint into the trainer's model (and optimizer); returns its train state.
-
-    adam_state "checkpoint": model + optimizer (Adam moments and step) as the run saved them.
-    "fresh": the model only, the optimizer as built (no Adam state yet): the state a layout
-    change needs when the checkpoint's optimizer state cannot be resharded to it (the CPU
-    layouts group expert parameters differently at TP = 1 and TP > 1), and an ablation that
-    removes the momentum of the run's earlier steps.
-    """
-    if adam_state == "checkpoint":
-        return ckpt.load_checkpoint(path, trainer.model, trainer.optimizer)
-    from megatron.core import dist_checkpointing
-
-    ckpt.load_model(path, trainer.model)
-    for sub in mopt.sub_optimizers(trainer.optimizer):
-        if hasattr(sub, "reload_model_params"):  # fp32 main copies of 16-bit params
-            sub.reload_model_params()
-    return dist_checkpointing.load_common_state_dict(path)["train_state"]
 
 
 def study_step_lrs(train_cfg, step0: int, j: int) -> list[float]:
@@ -197,71 +82,12 @@ def _batches(a: StudyArgs, trainer, ckpt_iteration: int):
             batch = sources.fresh_batch(trainer, s, ckpt_iteration)
             yield s, batch, ckpt_iteration, s  # the driver's plan had the run used seed s
         return
-    saved = rollout_store.list_rollouts(_rollouts_dir(a) or "")
+    saved = rollout_store.list_rollouts(rollouts_dir(a) or "")
     if not saved:
-        raise ConfigError(f"--batches saved: no saved rollouts in {_rollouts_dir(a)}")
+        raise ConfigError(f"--batches saved: no saved rollouts in {rollouts_dir(a)}")
     for _, path in saved:
         batch, it, _ = rollout_store.load_rollout(path)
         yield it, batch, it, cfg.seed  # the driver's own plan
-
-
-def _server_summary(rollout) -> dict | None:
-    """A server engine's start-up facts that say what produced the behaviour policy (vLLM:
-    version and serving dtype); None for the in-process engine."""
-    info = getattr(rollout, "server_info", None)
-    if not isinstance(info, dict):
-        return None
-    return {k: (None if info.get(k) is None else str(info[k]))
-            for k in ("engine", "model", "vllm_version", "dtype")}
-
-
-def _gather_setup(a, cfg, path, ckpt_iteration, trainer, j) -> dict:
-    info = trainer.info
-    return {"checkpoint": path, "checkpoint_iteration": ckpt_iteration,
-            "checkpoint_step": trainer.step,
-            "batch_source": (f"fresh rollouts ({cfg.rollout.engine} engine), "
-                             f"{cfg.rollout.prompts_per_iteration} prompts x "
-                             f"{cfg.rollout.group_size} samples per seed" if a.batches == "fresh"
-                             else f"saved by the driver ({_rollouts_dir(a)})"),
-            "batches": a.batches, "minibatch": j, "source": a.source,
-            "stale_iterations": a.stale_iterations if a.source == "stale" else 0,
-            "stale_steps": j + (a.stale_iterations * cfg.train.minibatches_per_iteration
-                                if a.source == "stale" else 0),
-            "rollout_precision": cfg.rollout.rollout_precision,
-            "engine": cfg.rollout.engine, "engine_server": _server_summary(trainer.rollout),
-            "fp8_scales": cfg.rollout.fp8_scales, "sgd_lr": a.sgd_lr, "design": a.design,
-            "power": a.power,
-            "minibatches_per_iteration": cfg.train.minibatches_per_iteration,
-            "criteria": list(a.criteria), "delta_kl": a.delta_kl, "delta_tv": a.delta_tv,
-            "tol": a.tol, "stats_dtype": a.stats_dtype, "tp": info.tp_size, "dp": info.dp_size,
-            "pp": info.pp_size, "ep": info.ep_size, "world_size": info.world_size,
-            "optimizer": ("megatron DistributedOptimizer (Adam)"
-                          if cfg.parallel.use_distributed_optimizer else "megatron Adam"),
-            "adam_state": a.adam_state,
-            "lr": cfg.train.lr, "lr_warmup_steps": cfg.train.lr_warmup_steps, "clip_grad": cfg.train.clip_grad, "run_loss": cfg.loss.name,
-            "ratio_cap": cfg.loss.ratio_cap, "torch_threads": torch.get_num_threads(),
-            "device": str(current_device()),
-            "run_config": cfg.to_dict()}
-
-
-def open_study(a: StudyArgs):
-    """(cfg, checkpoint path, trainer with the checkpoint loaded, criteria, study minibatch j,
-    t_start): the setup both designs share (collective)."""
-    from megatron_pdm.train.trainer import Trainer
-
-    cfg = resolve_config(a)
-    path = _checkpoint_path(a)
-    m = cfg.train.minibatches_per_iteration
-    j = sources.default_minibatch(a.source, m) if a.minibatch is None else a.minibatch
-    if not 0 <= j < m:
-        raise ConfigError(f"--minibatch {j} must be in [0, train.minibatches_per_iteration={m})")
-    criteria = build_criteria(a.criteria, cfg.loss, delta_kl=a.delta_kl, delta_tv=a.delta_tv)
-    t_start = time.time()
-    trainer = Trainer(cfg)
-    trainer.load_train_state(_load(path, trainer, a.adam_state))
-    if a.batches == "fresh":
-        trainer.sync_weights()  # the engine samples from the checkpoint's weights
-    return cfg, path, trainer, criteria, j, t_start
 
 
 def run_study(a: StudyArgs) -> dict | None:
@@ -282,6 +108,7 @@ def run_study(a: StudyArgs) -> dict | None:
     m_per_it = cfg.train.minibatches_per_iteration
     start = snap_mod.take_snapshot(trainer.model, trainer.optimizer)
     keep_all = keep_all_config(cfg.loss)
+    controls = a.synthetic_controls()
     pp = cfg.parallel.pp
     per_seed, tokens, labels, staleness, seed_times = [], [], [], [], []
     seed_log = SeedLog(a.out_dir, enabled=dist.get_rank() == 0)
@@ -303,7 +130,8 @@ def run_study(a: StudyArgs) -> dict | None:
         applied.append(trainer.optimizer.param_groups[0]["lr"])
         probe = MegatronProbe(trainer.model, trainer.optimizer, mbs[j], criteria, pp=pp,
                               stats_dtype=stats_dtype)
-        m = measure_seed(probe, criteria, keep_all, tol=a.tol, sgd_lr=a.sgd_lr)
+        m = measure_seed(probe, criteria, keep_all, tol=a.tol, sgd_lr=a.sgd_lr,
+                         controls=controls, control_seed=int(label))
         # staleness: checkpoint weights minus the weights that generated the batch (its
         # weight_version when numeric, else the iteration that trained on it), plus the stale
         # source's iterations
@@ -329,7 +157,7 @@ def run_study(a: StudyArgs) -> dict | None:
     wall = time.time() - t_start
     result = None
     if dist.get_rank() == 0:
-        setup = _gather_setup(a, cfg, path, ckpt_iteration, trainer, j)
+        setup = gather_setup(a, cfg, path, ckpt_iteration, trainer, j)
         setup.update(seeds=labels, staleness=staleness, wall_s=wall, lr_per_step=applied,
                      seconds_per_seed=sum(seed_times) / len(seed_times),
                      seed_seconds=seed_times)
@@ -346,7 +174,8 @@ def write_outputs(a: StudyArgs, setup: dict, per_seed: list[dict], tokens: list[
     import numpy as np
 
     os.makedirs(a.out_dir, exist_ok=True)
-    summary = summarize(per_seed, criteria, bootstrap_seed=a.bootstrap_seed)
+    summary = summarize(per_seed, criteria, controls=a.synthetic_controls(), primary=a.primary,
+                        power=a.power, bootstrap_seed=a.bootstrap_seed)
     report.write_json(os.path.join(a.out_dir, "results.json"), setup, summary, per_seed)
     with open(os.path.join(a.out_dir, "results.md"), "w") as f:
         f.write(report.markdown(setup, summary))

@@ -1,37 +1,38 @@
-"""Across seeds: pooled and per-seed-mean rates, paired win counts, bootstrap intervals.
+"""Across seeds: pooled and per-seed-mean rates, and the paired comparisons (inference.py).
 
-Input: the list of per-seed `count_seed` dicts. For every criterion:
+Input: the list of per-seed `count_seed` dicts. For every criterion (and synthetic control,
+controls.py):
 
     pooled rate       sum of numerators / sum of denominators over seeds (every kept
-                      out-of-region token weighs the same)
-    mean rate         mean of the per-seed rates (every seed weighs the same; seeds whose
-                      denominator is 0 are left out), with a percentile bootstrap interval
+                      out-of-region token weighs the same) with its Wilson 95% interval (k, n,
+                      wilson95) and `n_seeds_no_rate`, the seeds whose denominator is 0
+    mean rate         mean of the per-seed rates (every seed weighs the same; seeds without a
+                      rate are left out of the mean and counted in `n_seeds_no_rate`), with a
+                      percentile bootstrap interval labelled descriptive
     per-seed means    of the out-of-region, kept out-of-region, disagreement counts
 
 With the decomposition controls (counting.py), the same rates under the zero-gradient step
 ("<rate>@momentum") and the plain-SGD own-gradient step ("<rate>@gradient"), and the pooled mean
 realised dD of kept out-of-region tokens under each ("mean_delta_d_kept_out_of_region[@...]").
 
-For every predictive criterion against its ratio baseline (the paired comparison):
+Paired comparisons (`summary["paired"]`, inference.compare / adjust): every predictive criterion
+against its ratio baseline, every synthetic control against its base, and the pre-registered
+primary comparison, all on the unsafe-keep rate (a lower rate wins); sign-flip and sign tests on
+the per-seed differences, Holm over all of them, the primary marked. `power_check` sets the SD
+measured on the primary's seeds beside the power analysis' assumed one; `controls_check` says
+whether the positive control was detected and the negative one was not.
 
-    per-seed difference d_s = rate(criterion) - rate(baseline), on seeds where both are defined
-    wins / losses / ties  d_s < 0 / > 0 / == 0 (a lower unsafe-keep rate wins)
-    mean difference with a paired percentile bootstrap interval (seeds resampled with
-    replacement; the same resampled seeds for both criteria)
-    sign-test p-value     two-sided exact binomial test of wins vs losses (ties dropped)
-
-The bootstrap uses its own seeded generator, so the intervals are reproducible bit for bit.
+Resampling uses seeded `random.Random` generators (significance.py), so every interval and
+Monte-Carlo p-value is reproducible bit for bit.
 """
 
 from __future__ import annotations
 
-import math
-
-import torch
-
 from megatron_pdm import significance
+from megatron_pdm.analysis import controls as controls_mod
+from megatron_pdm.analysis import inference
 
-__all__ = ["bootstrap_mean_ci", "sign_test_p", "summarize"]
+__all__ = ["sign_test_p", "summarize"]
 
 _RATES = {  # rate name -> (numerator key, denominator key) in count_seed's criteria entries
     "unsafe_keep_rate": ("n_unsafe_kept", "n_kept_out_of_region"),
@@ -52,20 +53,6 @@ _PRED = {  # prediction score name -> (numerator, denominator) in count_seed's p
 }
 _COUNTS = ("n_out_of_region", "n_kept_out_of_region", "n_masked_out_of_region", "n_unsafe_kept",
            "n_disagree", "n_disagree_out_of_region")
-
-
-def bootstrap_mean_ci(values: list[float], *, samples: int = 10000, level: float = 0.95,
-                      seed: int = 0) -> tuple[float, float] | None:
-    """Percentile bootstrap interval of the mean of `values` (None for fewer than 2 values)."""
-    if len(values) < 2:
-        return None
-    x = torch.tensor(values, dtype=torch.float64)
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, len(values), (samples, len(values)), generator=g)
-    means = x[idx].mean(1).sort().values
-    lo = means[math.floor((1 - level) / 2 * (samples - 1))]
-    hi = means[math.ceil((1 + level) / 2 * (samples - 1))]
-    return float(lo), float(hi)
 
 
 def sign_test_p(wins: int, losses: int) -> float | None:
@@ -90,10 +77,15 @@ def _per_seed(entries: list[dict], num: str, den: str) -> list[float | None]:
             for e in entries]
 
 
-def _rate_summary(per_seed: list[float | None], pooled: float | None, seed: int) -> dict:
+def _rate_summary(entries: list[dict], num: str, den: str, seed: int) -> dict:
+    per_seed = _per_seed(entries, num, den)
     defined = [x for x in per_seed if x is not None]
-    return {"pooled": pooled, "mean": _mean(defined), "seeds": len(defined),
-            "ci95": bootstrap_mean_ci(defined, seed=seed), "per_seed": per_seed}
+    pooled = inference.pooled_rate([e.get(num) for e in entries], [e.get(den) for e in entries])
+    return {"pooled": _pooled(entries, num, den), "k": pooled["k"], "n": pooled["n"],
+            "wilson95": pooled["wilson95"], "n_seeds_no_rate": pooled["n_seeds_no_rate"],
+            "mean": _mean(defined), "seeds": len(defined),
+            "bootstrap_ci95_descriptive": significance.bootstrap_ci(defined, seed=seed),
+            "per_seed": per_seed}
 
 
 def _criterion_summary(name: str, seeds: list[dict], seed: int) -> dict:
@@ -101,8 +93,7 @@ def _criterion_summary(name: str, seeds: list[dict], seed: int) -> dict:
     out = {"divergence": entries[0]["divergence"], "delta": entries[0]["delta"]}
     controls = {k: v for k, v in _CONTROL_RATES.items() if v[0] in entries[0]}
     for rate_name, (num, den) in {**_RATES, **controls}.items():
-        out[rate_name] = _rate_summary(_per_seed(entries, num, den),
-                                       _pooled(entries, num, den), seed)
+        out[rate_name] = _rate_summary(entries, num, den, seed)
     for suffix in ("", "@momentum", "@gradient"):  # mean realised dD of kept out-of-region
         key = f"sum_delta_d_kept_out_of_region{suffix}"
         if key in entries[0]:
@@ -115,46 +106,50 @@ def _criterion_summary(name: str, seeds: list[dict], seed: int) -> dict:
         out[f"total_{key}"] = sum(values) if values else None
     preds = [s["prediction"][name] for s in seeds if name in s.get("prediction", {})]
     if preds:
-        out["prediction"] = {k: _rate_summary(_per_seed(preds, num, den),
-                                              _pooled(preds, num, den), seed)
+        out["prediction"] = {k: _rate_summary(preds, num, den, seed)
                              for k, (num, den) in _PRED.items() if num in preds[0]}
     return out
 
 
-def _paired(name: str, baseline: str, per: dict, seed: int) -> dict:
-    a = per[name]["unsafe_keep_rate"]["per_seed"]
-    b = per[baseline]["unsafe_keep_rate"]["per_seed"]
-    diffs = [x - y for x, y in zip(a, b) if x is not None and y is not None]
-    wins = sum(1 for d in diffs if d < 0)
-    losses = sum(1 for d in diffs if d > 0)
-    return {"criterion": name, "baseline": baseline, "metric": "unsafe_keep_rate",
-            "seeds": len(diffs), "wins": wins, "losses": losses,
-            "ties": len(diffs) - wins - losses, "mean_difference": _mean(diffs),
-            "ci95": bootstrap_mean_ci(diffs, seed=seed), "sign_test_p": sign_test_p(wins, losses),
-            "per_seed_difference": [x - y if x is not None and y is not None else None
-                                    for x, y in zip(a, b)]}
-
-
-def summarize(seeds: list[dict], criteria: list, *, bootstrap_seed: int = 0) -> dict:
+def summarize(seeds: list[dict], criteria: list, *, controls: list | tuple = (),
+              primary: str | None = None, power: dict | None = None,
+              bootstrap_seed: int = 0) -> dict:
     """The across-seed summary (module docstring).
 
     Args:
         seeds: per-seed `count_seed` outputs, in seed order.
         criteria: the `Criterion`s (names and ratio baselines).
-        bootstrap_seed: seed of the bootstrap's generator.
+        controls: the synthetic controls counted in `seeds` (controls.Control).
+        primary: the pre-registered primary comparison "CRITERION:BASELINE[:RATE]" (None:
+            none marked).
+        power: the power analysis that chose the seeds (power.seeds_needed + sd_source), for
+            `power_check`.
+        bootstrap_seed: seed of the bootstrap's and the permutation test's generators.
 
     Returns:
         {"seeds": n, "shared_state_fraction": active tokens sharing their state / active tokens
-        (None without state columns), "criteria": {name: {...}},
-        "paired": [{...} per predictive criterion]}.
+        (None without state columns), "criteria": {name: {...}}, "paired": [{...} per
+        comparison], "primary", "power_check", "controls_check"}.
     """
     if not seeds:
         raise ValueError("summarize: no seeds")
-    per = {c.name: _criterion_summary(c.name, seeds, bootstrap_seed) for c in criteria}
+    names = [c.name for c in criteria] + [c.name for c in controls]
+    per = {n: _criterion_summary(n, seeds, bootstrap_seed) for n in names}
+    pairs = [(c.name, c.baseline, "unsafe_keep_rate") for c in criteria if c.baseline is not None]
+    pairs += [(c.name, c.base, "unsafe_keep_rate") for c in controls]
+    prim = inference.parse_primary(primary, names) if primary else None
+    if prim is not None and prim not in pairs:
+        pairs.insert(0, prim)
+    rows = [inference.compare(per[a][rate]["per_seed"], per[b][rate]["per_seed"], criterion=a,
+                              baseline=b, rate=rate, seed=bootstrap_seed)
+            for a, b, rate in pairs]
+    rows = inference.adjust(rows, prim)
     shared = [s.get("n_shared_state") for s in seeds]
     n_active = sum(s.get("n_active", 0) for s in seeds)
-    paired = [_paired(c.name, c.baseline, per, bootstrap_seed) for c in criteria
-              if c.baseline is not None]
     frac = (sum(shared) / n_active if n_active and None not in shared else None)
-    return {"seeds": len(seeds), "shared_state_fraction": frac, "criteria": per,
-            "paired": paired}
+    out = {"seeds": len(seeds), "shared_state_fraction": frac, "criteria": per, "paired": rows,
+           "primary": ":".join(prim) if prim else None}
+    out["power_check"] = inference.power_check(
+        power, next((r for r in rows if r["primary"]), None))
+    out["controls_check"] = controls_mod.check(out, list(controls))
+    return out

@@ -39,13 +39,8 @@ Why each transform:
   hub checkpoints (and SGLang) use per-expert `mlp.experts.e.{gate,up,down}_proj.weight`.
   Both are read; either can be written. A dense model has no experts: its layout is moot.
 
-Grouped-GEMM layouts of megatron's experts (TEGroupedMLP: `experts.linear_fc1.weight{j}`; legacy
-GroupedMLP: `experts.weight1 [H, E_local*2I]` whose memory GroupedMLP views as [E_local, H, 2I],
-`experts.weight2 [E_local*I, H]` viewed as [E_local, I, H], i.e. transposed per-expert matrices)
-are converted from
-and to the sequential layout by `sequential_to_grouped` / `grouped_to_sequential`. The dist
-checkpoint itself does not depend on the expert layout (megatron stores all three under
-`mlp.experts.experts.*` with an expert axis).
+Megatron's grouped-GEMM expert layouts are converted from and to the sequential one in
+`expert_layouts.py`; the name patterns of both sides are in `names.py`.
 """
 
 from __future__ import annotations
@@ -55,10 +50,8 @@ from typing import Iterator
 
 import torch
 
+from megatron_pdm.convert import names
 from megatron_pdm.convert.hf_io import HFReader
-
-_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-_EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
 
 # canonical per-layer suffix -> HF per-layer suffix for the one-to-one tensors (all families;
 # `_layer_direct` keeps the ones an architecture has)
@@ -145,7 +138,7 @@ def canonical_shapes(arch) -> dict[str, tuple[int, ...]]:
         shapes["output_layer.weight"] = (vp, H)
     shapes["decoder.final_layernorm.weight"] = (H,)
     for layer in range(arch.num_layers):
-        p = f"decoder.layers.{layer}."
+        p = names.layer_prefix(layer)
         shapes.update(
             {
                 p + "input_layernorm.weight": (H,),
@@ -162,9 +155,8 @@ def canonical_shapes(arch) -> dict[str, tuple[int, ...]]:
             continue
         shapes[p + "mlp.router.weight"] = (E, H)
         for e in range(E):
-            q = f"{p}mlp.experts.local_experts.{e}."
-            shapes[q + "linear_fc1.weight"] = (2 * I, H)
-            shapes[q + "linear_fc2.weight"] = (H, I)
+            shapes[p + names.expert_weight(e, "linear_fc1")] = (2 * I, H)
+            shapes[p + names.expert_weight(e, "linear_fc2")] = (H, I)
     return shapes
 
 
@@ -244,7 +236,7 @@ def canonical_from_hf(name: str, reader: HFReader, arch, expert_layout: str) -> 
         return pad_vocab_rows(reader.get(hf_output_name(arch)), arch.padded_vocab(1))
     if name == "decoder.final_layernorm.weight":
         return reader.get("model.norm.weight")
-    m = _LAYER_RE.match(name)
+    m = names.LAYER.match(name)
     if m is None:
         raise KeyError(f"not a {arch.family} megatron tensor: {name}")
     layer, rest = int(m.group(1)), m.group(2)
@@ -257,7 +249,7 @@ def canonical_from_hf(name: str, reader: HFReader, arch, expert_layout: str) -> 
     if rest == DENSE_FC1 and not arch.is_moe:
         return torch.cat([reader.get(p + "mlp.gate_proj.weight"),
                           reader.get(p + "mlp.up_proj.weight")], 0)
-    e_m = _EXPERT_RE.match(rest) if arch.is_moe else None
+    e_m = names.EXPERT_WEIGHT.match(rest) if arch.is_moe else None
     if e_m is None:
         raise KeyError(f"not a {arch.family} megatron tensor: {name}")
     e, which = int(e_m.group(1)), e_m.group(2)
@@ -276,16 +268,16 @@ def hf_group_names(arch) -> Iterator[tuple[str, list[str]]]:
     """Export order: (group label, canonical names needed to write that group's HF tensors)."""
     yield "embeddings", ["embedding.word_embeddings.weight"]
     for layer in range(arch.num_layers):
-        p = f"decoder.layers.{layer}."
-        names = [p + rest for rest in _layer_direct(arch)]
-        names += [p + "self_attention.linear_qkv.weight"]
-        names += [p + DENSE_FC1] if not arch.is_moe else []
-        names += [
-            f"{p}mlp.experts.local_experts.{e}.{fc}.weight"
+        p = names.layer_prefix(layer)
+        group = [p + rest for rest in _layer_direct(arch)]
+        group += [p + "self_attention.linear_qkv.weight"]
+        group += [p + DENSE_FC1] if not arch.is_moe else []
+        group += [
+            p + names.expert_weight(e, fc)
             for e in range(arch.num_experts)
             for fc in ("linear_fc1", "linear_fc2")
         ]
-        yield f"layer {layer}", names
+        yield f"layer {layer}", group
     yield "head", ["decoder.final_layernorm.weight"] + (
         [] if arch.tie_word_embeddings else ["output_layer.weight"])
 
@@ -307,7 +299,7 @@ def hf_from_canonical(
         elif name == "decoder.final_layernorm.weight":
             out["model.norm.weight"] = t
         else:
-            m = _LAYER_RE.match(name)
+            m = names.LAYER.match(name)
             if m is None:
                 raise KeyError(f"not a {arch.family} megatron tensor: {name}")
             by_layer.setdefault(int(m.group(1)), {})[m.group(2)] = t
@@ -328,16 +320,16 @@ def hf_from_canonical(
                     p + "self_attn.v_proj.weight": v_w,
                 }
             )
-        unknown = [k for k in rest if not _EXPERT_RE.match(k) or not arch.is_moe]
+        unknown = [k for k in rest if not names.EXPERT_WEIGHT.match(k) or not arch.is_moe]
         if unknown:
             raise KeyError(f"not {arch.family} megatron tensors of layer {layer}: {unknown}")
         fc1 = {
-            int(_EXPERT_RE.match(k).group(1)): v
+            int(names.EXPERT_WEIGHT.match(k).group(1)): v
             for k, v in rest.items()
             if k.endswith("fc1.weight")
         }
         fc2 = {
-            int(_EXPERT_RE.match(k).group(1)): v
+            int(names.EXPERT_WEIGHT.match(k).group(1)): v
             for k, v in rest.items()
             if k.endswith("fc2.weight")
         }
@@ -362,65 +354,4 @@ def _experts_to_hf(p, fc1, fc2, arch, expert_layout):
         out[q + "gate_proj.weight"] = fc1[e][:I]
         out[q + "up_proj.weight"] = fc1[e][I:]
         out[q + "down_proj.weight"] = fc2[e]
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# megatron expert layouts (local state dicts of one rank)
-# ---------------------------------------------------------------------------------------------
-
-_SEQ_RE = re.compile(r"^(.*mlp\.experts\.)local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
-_TE_RE = re.compile(r"^(.*mlp\.experts\.)(linear_fc1|linear_fc2)\.weight(\d+)$")
-_LEGACY_RE = re.compile(r"^(.*mlp\.experts\.)(weight1|weight2)$")
-
-
-def sequential_to_grouped(state: dict[str, torch.Tensor], style: str) -> dict[str, torch.Tensor]:
-    """SequentialMLP local names -> TEGroupedMLP (`style='te'`) or legacy GroupedMLP ('legacy').
-
-    TE keeps one [out, in] matrix per local expert (`linear_fc1.weight{j}`); the legacy layout
-    stores transposed, concatenated matrices: weight1 [H, E_local*2I], weight2 [E_local*I, H].
-    """
-    if style not in ("te", "legacy"):
-        raise ValueError(f"style must be 'te' or 'legacy', got {style!r}")
-    out, legacy = {}, {}
-    for name, t in state.items():
-        m = _SEQ_RE.match(name)
-        if m is None:
-            out[name] = t
-        elif style == "te":
-            out[f"{m.group(1)}{m.group(3)}.weight{m.group(2)}"] = t
-        else:
-            legacy.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = t
-    for (prefix, fc), experts in legacy.items():
-        mats = [experts[j] for j in range(len(experts))]
-        if fc == "linear_fc1":  # memory = E blocks of [H, 2I]; GroupedMLP views it as [E, H, 2I]
-            hidden = mats[0].shape[1]
-            out[prefix + "weight1"] = torch.stack([w.t() for w in mats]).reshape(hidden, -1)
-        else:
-            out[prefix + "weight2"] = torch.cat([w.t() for w in mats], dim=0)
-    return out
-
-
-def grouped_to_sequential(
-    state: dict[str, torch.Tensor], *, hidden_size: int, num_local_experts: int
-) -> dict[str, torch.Tensor]:
-    """Inverse of `sequential_to_grouped` (either style; detected from the names).
-
-    The legacy layout needs `num_local_experts`: weight1 [H, E_local*2I] and weight2 [E_local*I, H]
-    have the same shapes for every split of E_local*I.
-    """
-    out = {}
-    for name, t in state.items():
-        te, lg = _TE_RE.match(name), _LEGACY_RE.match(name)
-        if te is not None:
-            out[f"{te.group(1)}local_experts.{te.group(3)}.{te.group(2)}.weight"] = t
-        elif lg is not None and lg.group(2) == "weight1":
-            per = t.reshape(num_local_experts, hidden_size, -1)  # GroupedMLP's view [E, H, 2I]
-            for j, w in enumerate(per):
-                out[f"{lg.group(1)}local_experts.{j}.linear_fc1.weight"] = w.t().contiguous()
-        elif lg is not None:
-            for j, w in enumerate(t.chunk(num_local_experts, dim=0)):
-                out[f"{lg.group(1)}local_experts.{j}.linear_fc2.weight"] = w.t().contiguous()
-        else:
-            out[name] = t
     return out

@@ -34,10 +34,11 @@ Pure torch: the caller passes ranks and sizes (no parallel_state here).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
+
+from megatron_pdm.convert import names
 
 __all__ = ["RULES", "Rule", "assemble", "canonical_local_name", "canonical_name", "is_tied_copy",
            "rule_for", "shard"]
@@ -118,9 +119,6 @@ def assemble(split: str | None, parts: list[torch.Tensor]) -> torch.Tensor:
     raise ValueError(f"unknown split {split!r}")
 
 
-_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-_LOCAL_EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
-_TE_EXPERT_RE = re.compile(r"^(.*\.mlp\.experts\.)(linear_fc[12])\.weight(\d+)$")
 _TE_RENAMES = {
     # TE fuses the input norm into the QKV linear; the local spec has a separate norm.
     ".self_attention.linear_qkv.layer_norm_weight": ".input_layernorm.weight",
@@ -136,7 +134,7 @@ def canonical_local_name(name: str) -> str:
     `mlp.experts.local_experts.{j}.linear_fc1.weight`; TE's QKV-fused input norm becomes
     `input_layernorm.weight`, its fc1-fused pre-MLP norm (dense) `pre_mlp_layernorm.weight`. Local-spec names pass through.
     """
-    m = _TE_EXPERT_RE.match(name)
+    m = names.TE_EXPERT.match(name)
     if m is not None:
         return f"{m.group(1)}local_experts.{m.group(3)}.{m.group(2)}.weight"
     for src, dst in _TE_RENAMES.items():
@@ -152,13 +150,13 @@ def canonical_name(module: torch.nn.Module, local_name: str, *, experts_per_rank
     The layer's global index is its `layer_number - 1` (pipeline stages hold disjoint layers);
     local expert j of EP rank k is global expert `k * experts_per_rank + j`.
     """
-    m = _LAYER_RE.match(local_name)
+    m = names.LAYER.match(local_name)
     if m is None:
         return local_name
     layer = module.decoder.layers[int(m.group(1))]
     rest = m.group(2)
-    e_m = _LOCAL_EXPERT_RE.match(rest)
+    e_m = names.LOCAL_EXPERT.match(rest)
     if e_m is not None:
         rest = f"mlp.experts.local_experts.{ep_rank * experts_per_rank + int(e_m.group(1))}." \
                f"{e_m.group(2)}"
-    return f"decoder.layers.{layer.layer_number - 1}.{rest}"
+    return names.layer_prefix(layer.layer_number - 1) + rest

@@ -10,6 +10,11 @@ DRPO (docs/math.md §2.2, §3.4, §4.2, §5.1):
     drpo   : coeff = A * min(r, C) * w,  w = 1 - sign(away) * D / delta(sign A)
     loss_t = -coeff_t * log pi_k(t)                             (only loss_mask rows)
 
+Off-policy corrections (§10, ops/offpolicy.py) enter the same coefficient, for every trust
+region: min(r, C) becomes min(rho_seq, C) with is_level="sequence", and the masked-IS and OPSM
+keep-masks multiply M (or w). There is no second code path: with the §10 keys at their defaults
+the coefficient is bit-for-bit the one above.
+
 coeff is detached, so the gradient is exactly E[coeff * grad log pi_k] (§2.2); the only
 differentiable input is stats.logprob. A = 0 tokens get no gradient and are left out of the
 masked-fraction denominators (§6.8).
@@ -23,8 +28,9 @@ micro-batches and data-parallel ranks, so the pair must be chosen per aggregatio
 
 Sequences are counted per call via `seq_ids` (sort-based, no host sync); a sequence split across
 micro-batches is counted once per micro-batch (pack whole sequences per micro-batch for the
-sequence aggregations). seq_ids = -1 marks padding: with a sequence aggregation such rows carry
-no loss (a loss row with seq_id -1 is an input error when checked).
+sequence aggregations and the sequence-level corrections, whose ratios are per call too).
+seq_ids = -1 marks padding: with a sequence aggregation or correction such rows carry no loss (a
+loss row with seq_id -1 is an input error when checked).
 
 Input checks (`check_inputs=True`, the default) cost one host sync (more only to name the row of
 an error): on loss rows, A and log mu_k finite, a support where the proximity needs one, a
@@ -43,8 +49,8 @@ Metrics (all tensor([sum, count]), detached; keys in metrics.py): pdm/masked_fra
 pdm/masked_frac_pos_adv, pdm/masked_frac_neg_adv, pdm/out_of_region_frac,
 pdm/direction_disagree_frac, pdm/direction_uncertain_frac, pdm/divergence_mean, pdm/topk_kl_mean,
 pdm/topk_tv_mean, pdm/pi_tail_mean, pdm/mu_tail_mean, pdm/abs_prob_diff, pdm/ratio_mean,
-mismatch/abs_logprob_diff, mismatch/sampled_kl, loss/pg, and pdm/drpo_weight_mean with
-shaping="drpo".
+mismatch/abs_logprob_diff, mismatch/sampled_kl, loss/pg, pdm/drpo_weight_mean with
+shaping="drpo", and offpolicy/is_weight_mean, offpolicy/masked_frac with a §10 correction on.
 
 Shape legend: N tokens.
 """
@@ -60,6 +66,7 @@ from megatron_pdm.config import PolicyLossConfig
 from megatron_pdm.ops import direction as _direction
 from megatron_pdm.ops import divergence as _div
 from megatron_pdm.ops import masks as _masks
+from megatron_pdm.ops import offpolicy as _offpolicy
 from megatron_pdm.ops.stats import TokenStats
 
 __all__ = ["PolicyLossOutput", "policy_loss"]
@@ -71,7 +78,9 @@ class PolicyLossOutput(tuple):
     """(loss_sum, num_tokens, metrics) with per-token extras as attributes.
 
     Attributes:
-        mask: [N] bool keep-mask M (True = kept; always True with shaping="drpo").
+        mask: [N] bool keep-mask: the trust region's M (always True with shaping="drpo")
+            and the §10 MIS / OPSM masks (True = kept).
+        is_weight: [N] the detached importance weight min(r, C) or min(rho_seq, C) (§10).
         coeff: [N] detached coefficient (0 off loss rows).
         per_token_loss: [N] -coeff * log pi_k (differentiable, 0 off loss rows).
         divergence: [N] the proximity divergence D used.
@@ -114,6 +123,8 @@ class _Terms:
     delta: torch.Tensor
     keep: torch.Tensor
     weight: torch.Tensor
+    is_weight: torch.Tensor
+    is_keep: torch.Tensor
     coeff: torch.Tensor
 
 
@@ -130,7 +141,7 @@ def _check_values(stats: TokenStats, advantages: torch.Tensor, behavior_logprob:
     if not lm_N.numel():
         return
     inputs_2N = torch.stack([advantages.to(torch.float64), behavior_logprob.to(torch.float64)])
-    no_seq_N = (lm_N & (seq_ids < 0) if seq_ids is not None and cfg.aggregation != "token-mean"
+    no_seq_N = (lm_N & (seq_ids < 0) if seq_ids is not None and cfg.uses_sequences
                 else torch.zeros_like(lm_N))
     no_support_N = lm_N & ~stats.has_support
     if cfg.proximity not in _NEEDS_SUPPORT:
@@ -149,7 +160,7 @@ def _check_values(stats: TokenStats, advantages: torch.Tensor, behavior_logprob:
         raise ValueError(f"{name}: row {row} is {float(inputs_2N[which, row])} on a loss row")
     if which == 2:
         raise ValueError(f"seq_ids: row {row} is {int(seq_ids[row])} (padding) on a loss row; "
-                         f"aggregation {cfg.aggregation!r} needs its sequence id")
+                         f"{_sequence_user(cfg)} needs its sequence id")
     if which == 3:
         raise ValueError(f"loss_mask row {row} has no valid support but {cfg.proximity} needs it")
     if which == 4:
@@ -161,6 +172,38 @@ def _check_values(stats: TokenStats, advantages: torch.Tensor, behavior_logprob:
     raise ValueError(f"logits: row {row}, slot {slot}: the training logit of support id {sid} "
                      "is -inf (pi = 0) where mu > 0: D_K = +inf on a loss row "
                      "(docs/math.md §6.10)")
+
+
+def _sequence_user(cfg: PolicyLossConfig) -> str:
+    """What in `cfg` needs seq_ids (for error messages)."""
+    if cfg.aggregation != "token-mean":
+        return f"aggregation {cfg.aggregation!r}"
+    if cfg.is_level == "sequence":
+        return "is_level 'sequence'"
+    if cfg.is_mask == "sequence":
+        return "is_mask 'sequence'"
+    return "seq_mask_kl (OPSM)"
+
+
+def _off_policy(cfg: PolicyLossConfig, adv_N: torch.Tensor, raw_log_ratio_N: torch.Tensor,
+                ratio_N: torch.Tensor, seq_ids_N: torch.Tensor | None, lm_N: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(importance weight min(r or rho, C), MIS x OPSM keep-mask) per token (§10)."""
+    keep_N = torch.ones_like(lm_N)
+    level_N = ratio_N
+    if cfg.is_level == "sequence" or cfg.is_mask == "sequence":
+        log_rho_N = _offpolicy.seq_log_ratio(raw_log_ratio_N, seq_ids_N, lm_N, cfg.seq_ratio)
+        rho_N = log_rho_N.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp).exp()
+        if cfg.is_level == "sequence":
+            level_N = rho_N
+        if cfg.is_mask == "sequence":
+            keep_N = _offpolicy.within(rho_N, cfg.is_mask_low, cfg.is_mask_high)
+    if cfg.is_mask == "token":
+        keep_N = _offpolicy.within(ratio_N, cfg.is_mask_low, cfg.is_mask_high)
+    if cfg.seq_mask_kl is not None:
+        keep_N = keep_N & _offpolicy.opsm_keep(adv_N, raw_log_ratio_N, seq_ids_N, lm_N,
+                                               cfg.seq_mask_kl)
+    return level_N.clamp_max(cfg.ratio_cap), keep_N | ~lm_N  # off loss rows: nothing dropped
 
 
 def _proximity(cfg: PolicyLossConfig, stats: TokenStats, ratio_N: torch.Tensor,
@@ -197,7 +240,8 @@ def _predictive_away(cfg: PolicyLossConfig, stats: TokenStats, adv_N: torch.Tens
 
 
 def _token_terms(stats: TokenStats, advantages: torch.Tensor, behavior_logprob: torch.Tensor,
-                 lm_N: torch.Tensor, cfg: PolicyLossConfig) -> _Terms:
+                 lm_N: torch.Tensor, cfg: PolicyLossConfig, seq_ids: torch.Tensor | None
+                 ) -> _Terms:
     """Ratio, divergence, direction and the mask or DRPO weight of every token (detached).
 
     The top-K direction Ddot and the §7.2 interval are computed once here and shared by the
@@ -233,20 +277,10 @@ def _token_terms(stats: TokenStats, advantages: torch.Tensor, behavior_logprob: 
     else:
         keep_N = torch.ones_like(lm_N)
         weight_N = _masks.drpo_weight(div_N, away_N, delta_N)
-    coeff_N = torch.where(lm_N, adv_N * ratio_N.clamp_max(cfg.ratio_cap) * weight_N, 0.0)
+    is_weight_N, is_keep_N = _off_policy(cfg, adv_N, raw_log_ratio_N, ratio_N, seq_ids, lm_N)
+    coeff_N = torch.where(lm_N & is_keep_N, adv_N * is_weight_N * weight_N, 0.0)
     return _Terms(lm_N, adv_N, logmu_k_N, raw_log_ratio_N, ratio_N, div_N, topk_ddot_N,
-                  interval, away_N, delta_N, keep_N, weight_N, coeff_N)
-
-
-def _num_sequences(seq_ids_N: torch.Tensor, live_N: torch.Tensor) -> torch.Tensor:
-    """Distinct seq ids among live rows, on device (sort-based; no host sync)."""
-    if not seq_ids_N.numel():
-        return torch.zeros((), dtype=torch.int64, device=seq_ids_N.device)
-    keyed_N = torch.where(live_N, seq_ids_N.long(), -1)
-    sorted_N = torch.sort(keyed_N).values
-    starts_N = torch.ones_like(sorted_N, dtype=torch.bool)
-    starts_N[1:] = sorted_N[1:] != sorted_N[:-1]
-    return (starts_N & (sorted_N >= 0)).sum()
+                  interval, away_N, delta_N, keep_N, weight_N, is_weight_N, is_keep_N, coeff_N)
 
 
 def _k3(ratio_N: torch.Tensor) -> torch.Tensor:
@@ -286,6 +320,9 @@ def _metrics(stats: TokenStats, t: _Terms, cfg: PolicyLossConfig,
     }
     if cfg.shaping == "drpo":
         out[M.DRPO_WEIGHT_MEAN] = M.sum_count(t.weight, lm_N, mdtype)
+    if cfg.off_policy:
+        out[M.IS_WEIGHT_MEAN] = M.sum_count(t.is_weight, lm_N, mdtype)
+        out[M.OFFPOLICY_MASKED_FRAC] = M.sum_count(~t.is_keep, nz_N, mdtype)
     return out
 
 
@@ -324,15 +361,15 @@ def policy_loss(
     n = stats.logprob.shape[0]
     _check_shapes(n, advantages=advantages, behavior_logprob=behavior_logprob,
                   loss_mask=loss_mask, seq_ids=seq_ids)
-    if cfg.aggregation != "token-mean" and seq_ids is None:
-        raise ValueError(f"aggregation {cfg.aggregation!r} needs seq_ids")
+    if cfg.uses_sequences and seq_ids is None:
+        raise ValueError(f"{_sequence_user(cfg)} needs seq_ids")
     lm_N = loss_mask.to(torch.bool)
     if check_inputs:
         _check_values(stats, advantages, behavior_logprob, lm_N, cfg, seq_ids)
-    if cfg.aggregation != "token-mean":
+    if cfg.uses_sequences:
         lm_N = lm_N & (seq_ids >= 0)  # padding rows carry no loss (checked above when on)
     with torch.no_grad():
-        t = _token_terms(stats, advantages, behavior_logprob, lm_N, cfg)
+        t = _token_terms(stats, advantages, behavior_logprob, lm_N, cfg, seq_ids)
 
     # coeff = 0 rows add exactly 0 (also where log pi_k = -inf: no 0 * -inf = NaN)
     live_N = lm_N & (t.coeff != 0)
@@ -341,7 +378,7 @@ def policy_loss(
     if cfg.aggregation == "token-mean":
         num = lm_N.sum()
     else:
-        num = _num_sequences(seq_ids, lm_N)
+        num = _offpolicy.num_sequences(seq_ids, lm_N)
         if cfg.aggregation == "seq-mean-token-sum-norm":
             loss_sum = loss_sum / float(cfg.loss_horizon)
     with torch.no_grad():
@@ -350,8 +387,9 @@ def policy_loss(
         loss_sum,
         num.to(torch.int),
         metrics,
-        mask=t.keep,
+        mask=t.keep & t.is_keep,
         coeff=t.coeff,
+        is_weight=t.is_weight,
         per_token_loss=per_token_loss_N,
         divergence=t.divergence,
         away_score=t.away,

@@ -52,6 +52,7 @@ import torch
 from megatron_pdm import metrics as M
 from megatron_pdm.config import PolicyLossConfig
 from megatron_pdm.loss.policy_loss import policy_loss
+from megatron_pdm.metrics import reduce_metrics  # noqa: F401  (its home is metrics.py)
 from megatron_pdm.ops.stats import TokenStats
 from megatron_pdm.parallel.fused_head import fused_token_stats
 from megatron_pdm.parallel.vocab_parallel import token_stats
@@ -237,21 +238,3 @@ def make_loss_func(batch: Any, cfg: PolicyLossConfig, *, layout: str = "auto",
     `head`: `lm_head_of(model)` (mcore/lm_head.py): None for megatron's own output layer."""
     return functools.partial(policy_loss_func, batch=batch, cfg=cfg, layout=layout,
                              inplace=inplace, head=head)
-
-
-def reduce_metrics(forward_data_store: list[dict], group=None) -> dict[str, float]:
-    """Sums the per-micro-batch `[sum, count]` metrics, all-reduces them over `group` (the DP
-    group when data is split over ranks) and returns the means."""
-    totals: dict[str, torch.Tensor] = {}
-    for item in forward_data_store:
-        for key, value in item.items():
-            v = value.detach().to(torch.float64)
-            totals[key] = totals[key] + v if key in totals else v.clone()
-    if group is not None and totals:
-        import torch.distributed as dist
-
-        keys = sorted(totals)
-        packed = torch.stack([totals[k] for k in keys])
-        dist.all_reduce(packed, group=group)  # SUM of [sum, count] over data-parallel ranks
-        totals = dict(zip(keys, packed))
-    return {k: M.mean_of(v) for k, v in totals.items()}

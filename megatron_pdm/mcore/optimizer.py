@@ -68,11 +68,15 @@ def wrap_ddp(model: torch.nn.Module, config, *, use_distributed_optimizer: bool)
 
 def build_optimizer(ddp_model, *, lr: float, weight_decay: float, clip_grad: float,
                     adam_beta1: float = 0.9, adam_beta2: float = 0.999, adam_eps: float = 1e-8,
-                    use_distributed_optimizer: bool = False, params_dtype: str = "fp32"):
+                    use_distributed_optimizer: bool = False, params_dtype: str = "fp32",
+                    use_gloo_process_groups: bool = True):
     """megatron-core Adam (`get_megatron_optimizer`) over the DDP-wrapped model.
 
     `params_dtype="bf16"`: bf16 model params with fp32 main params, grads and Adam state
     (megatron's Float16OptimizerWithFloat16Params, or the DistributedOptimizer's fp32 shards).
+
+    `use_gloo_process_groups=False`: the simulation (mcore/fake_sim.py), whose fake process
+    group has no gloo side groups (they only serve the distributed optimizer's checkpoint gather).
 
     Returns a `ChainedOptimizer` (dense and expert parameter groups) or a single optimizer.
     """
@@ -85,7 +89,7 @@ def build_optimizer(ddp_model, *, lr: float, weight_decay: float, clip_grad: flo
         params_dtype=torch.bfloat16 if params_dtype == "bf16" else torch.float32,
         use_distributed_optimizer=use_distributed_optimizer,
     )
-    return get_megatron_optimizer(cfg, [ddp_model])
+    return get_megatron_optimizer(cfg, [ddp_model], use_gloo_process_groups=use_gloo_process_groups)
 
 
 def set_lr(optimizer, lr: float) -> None:

@@ -1,5 +1,8 @@
 """Token-level mask study: does the predictive direction keep fewer unsafe updates?
 
+(examples/tiny_cpu/config.yaml and runs/ are those of a source checkout after `make demo`; with
+the wheel, pass your own run's config and run directory.)
+
     OMP_NUM_THREADS=1 torchrun --nproc-per-node 2 -m megatron_pdm.tools.analyze_masks \
         --config examples/tiny_cpu/config.yaml --run-dir runs/tiny_cpu --out-dir runs/masks \
         [--checkpoint runs/tiny_cpu/checkpoints/iter_0000050] [--batches fresh|saved] \
@@ -89,6 +92,19 @@ def parse_args(argv=None):
                    help="power analysis: per-seed SD of the paired differences")
     p.add_argument("--pilot", default=None,
                    help="power analysis: a pilot study's results.json (its per-seed SD)")
+    p.add_argument("--first-seed", type=int, default=None, metavar="K",
+                   help="seeds K..K+n-1, n from the power analysis or --num-seeds (a study "
+                        "after an independent pilot: K above the pilot's seeds)")
+    p.add_argument("--primary", default=None, metavar="CRITERION:BASELINE[:RATE]",
+                   help="the pre-registered primary comparison, named before the run (default "
+                        "pdm-agg:ratio:unsafe_keep_rate); marked in the results")
+    p.add_argument("--controls", nargs="?", const="", default=None, metavar="BASE",
+                   help="synthetic controls (megatron_pdm/analysis/controls.py): an oracle that "
+                        "sets --control-flip of BASE's wrong decisions right (positive) and a "
+                        "copy of BASE (negative), compared against BASE with the rest (default "
+                        "BASE: the primary comparison's baseline)")
+    p.add_argument("--control-flip", type=float, default=0.5,
+                   help="--controls: the oracle's probability of setting a wrong decision right")
     p.add_argument("--bootstrap-seed", type=int, default=0)
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--out-dir", required=True)
@@ -102,13 +118,15 @@ def main(argv=None) -> int:
     from megatron_pdm.train.logging_utils import setup_logging
 
     setup_logging()
-    power = _power(args)
-    if args.seeds:
-        seeds = args.seeds
-    elif args.num_seeds is not None or power is None:
-        seeds = list(range(1, (args.num_seeds or 20) + 1))
-    else:
-        seeds = list(range(1, power["t_test"] + 1))
+    from megatron_pdm.analysis.inference import DEFAULT_PRIMARY, parse_primary
+
+    primary = args.primary or DEFAULT_PRIMARY
+    power = _power(args, parse_primary(primary)[0])
+    seeds = _seeds(args, power)
+    if power is not None and args.pilot:
+        from megatron_pdm.analysis.power import check_independent
+
+        check_independent(args.pilot, power["pilot_seeds"], seeds)
     if power is not None:
         print(f"power analysis: {power['t_test']} seeds (normal approximation "
               f"{power['normal']}) for a paired difference of {power['effect']:+g} at SD "
@@ -125,7 +143,10 @@ def main(argv=None) -> int:
                       adam_state=args.adam_state, source=args.source,
                       stale_iterations=args.stale_iterations,
                       sgd_lr=None if args.no_controls else args.sgd_lr, design=args.design,
-                      run_iterations=args.run_iterations, power=power)
+                      run_iterations=args.run_iterations, power=power, primary=primary,
+                      controls=(None if args.controls is None else
+                                args.controls or parse_primary(primary)[1]),
+                      control_flip=args.control_flip)
     try:
         result = run_study(study)
         if result is not None:
@@ -135,9 +156,24 @@ def main(argv=None) -> int:
     return 0
 
 
-def _power(args) -> dict | None:
-    """The power analysis of --power-effect with --power-sd or --pilot (None without it)."""
-    from megatron_pdm.analysis.power import pilot_sd, seeds_needed
+def _seeds(args, power: dict | None) -> list[int]:
+    """--seeds; else K..K+n-1 (K = --first-seed or 1; n = --num-seeds, else the power
+    analysis' t-test count, else 20)."""
+    from megatron_pdm.configtree import ConfigError
+
+    if args.seeds:
+        if args.first_seed is not None:
+            raise ConfigError("--first-seed with --seeds: give one of them")
+        return args.seeds
+    n = args.num_seeds or (power["t_test"] if power is not None else 20)
+    first = 1 if args.first_seed is None else args.first_seed
+    return list(range(first, first + n))
+
+
+def _power(args, criterion: str | None = None) -> dict | None:
+    """The power analysis of --power-effect with --power-sd or --pilot (None without it); the
+    pilot's SD is the one of `criterion`'s paired difference (the primary comparison)."""
+    from megatron_pdm.analysis.power import pilot_sd, pilot_seeds, seeds_needed
     from megatron_pdm.configtree import ConfigError
 
     if args.power_effect is None:
@@ -148,11 +184,11 @@ def _power(args) -> dict | None:
     if (args.power_sd is None) == (not args.pilot):
         raise ConfigError("--power-effect needs exactly one of --power-sd and --pilot")
     if args.pilot:
-        sd, n = pilot_sd(args.pilot)
-        source = f"measured on the pilot {args.pilot}, {n} seeds"
-    else:
-        sd, source = args.power_sd, "stated"
-    return dict(seeds_needed(args.power_effect, sd), sd_source=source)
+        sd, n = pilot_sd(args.pilot, criterion)
+        used = pilot_seeds(args.pilot)
+        source = f"measured on the pilot {args.pilot}, {n} seeds ({min(used)}-{max(used)})"
+        return dict(seeds_needed(args.power_effect, sd), sd_source=source, pilot_seeds=used)
+    return dict(seeds_needed(args.power_effect, args.power_sd), sd_source="stated")
 
 
 def cli() -> int:

@@ -80,7 +80,7 @@ def convert(gguf: Path, tmp: Path) -> dict:
     for need in ("gguf", "accelerate"):
         if importlib.util.find_spec(need) is None:
             raise PrepareError(f"the package {need!r} is needed to read GGUF: run "
-                               "`make real-model` (pip install -e '.[real]')")
+                               "`make real-model` (pip install \"megatron-pdm[real-model]\")")
     folder, name = str(gguf.parent), gguf.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     quantised = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)

@@ -23,7 +23,9 @@ DEFAULT_CONFIG = os.path.join("examples", "tiny_cpu", "config.yaml")
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--config", default=DEFAULT_CONFIG)
+    p.add_argument("--config", default=DEFAULT_CONFIG,
+                   help=f"run config (default: {DEFAULT_CONFIG}, relative to a source checkout's "
+                        "root; the wheel ships no examples: pass your own)")
     p.add_argument("--output-dir", default="results/stability/full")
     p.add_argument("--methods", nargs="+", default=None,
                    help=f"default: all ({', '.join(G.METHODS)}); --smoke: {G.SMOKE_METHODS}")

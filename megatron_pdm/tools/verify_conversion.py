@@ -25,6 +25,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from megatron_pdm.intmath import round_up
+
 DEFAULT_PROMPTS = (
     "What is 7 plus 5? Answer with a number.",
     "The capital of France is",
@@ -51,7 +53,7 @@ def tokenize_prompts(hf_dir: str, prompts, *, chat: bool, multiple: int):
         if not ids:
             raise ValueError(f"prompt {i} ({text!r}) has no tokens")
         rows.append(list(ids))
-    seq = -(-max(len(r) for r in rows) // multiple) * multiple
+    seq = round_up(max(len(r) for r in rows), multiple)
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     ids_bs = torch.full((len(rows), seq), pad, dtype=torch.long)
     mask_bs = torch.zeros((len(rows), seq), dtype=torch.bool)

@@ -1,4 +1,9 @@
-"""CLI: `torchrun --nproc-per-node 2 -m megatron_pdm.train --config examples/tiny_cpu/config.yaml`.
+"""CLI: `torchrun --nproc-per-node 2 -m megatron_pdm.train --config CONFIG.yaml`.
+
+Needs the driver's extras (`pip install "megatron-pdm[all]"`). Example configs are in a source
+checkout, not in the wheel: examples/tiny_cpu/config.yaml (the CPU demo, `make demo` there),
+examples/real_cpu/, examples/qwen3_30b_a3b/; `--help` lists every key, so a config can also be
+written from scratch (unknown keys are errors).
 
 Flags: `--set dotted.key=value` (repeatable), `--preset NAME` (= --set loss.preset=NAME),
 `--output-dir DIR`, `--resume` (continue from the newest complete checkpoint in DIR/checkpoints,
@@ -122,8 +127,8 @@ def check_launcher(cfg, env=None) -> None:
     raise ConfigError(
         f"python -m megatron_pdm.train runs one process per rank and needs torchrun: "
         f"torchrun --nproc-per-node {n} -m megatron_pdm.train {' '.join(sys.argv[1:])} "
-        f"(parallel.tp={p.tp} x pp={p.pp} x ep={p.ep} needs {n} ranks; `make demo` runs the "
-        "CPU demo; --dry-run needs no torchrun)")
+        f"(parallel.tp={p.tp} x pp={p.pp} x ep={p.ep} needs {n} ranks; --dry-run needs no "
+        "torchrun; in a source checkout `make demo` runs the CPU demo)")
 
 
 def main(argv=None) -> int:

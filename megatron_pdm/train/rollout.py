@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_pdm.mcore.device import current_device, place
+from megatron_pdm.intmath import round_up
 from rollout_bridge.local.engine import LocalEngine
 from rollout_bridge.core.types import RolloutBatch
 
@@ -45,7 +46,7 @@ class GatheredGPT(torch.nn.Module):
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
         b, length = ids_bl.shape
-        padded = -(-length // self.tp_size) * self.tp_size
+        padded = round_up(length, self.tp_size)
         if padded != length:
             pad = torch.full((b, padded - length), self.pad_id, dtype=ids_bl.dtype,
                              device=ids_bl.device)

@@ -13,6 +13,7 @@ into means over data-parallel ranks and hands them to every stage.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Protocol
 
 import torch
@@ -28,16 +29,25 @@ class MicroBatch(Protocol):
 
 
 def optimizer_step(model, optimizer, microbatches: list[MicroBatch],
-                   loss_func_of: Callable[[Any], Callable], *, pp: int
-                   ) -> tuple[list[dict], float]:
+                   loss_func_of: Callable[[Any], Callable], *, pp: int,
+                   timings: dict | None = None) -> tuple[list[dict], float]:
     """zero grads -> megatron forward_backward over `microbatches` -> optimizer step.
+
+    `timings`, when given, receives the wall-clock seconds of the two phases: `fwd_bwd_s`
+    (zeroing, forward and backward of every micro-batch, gradient finalisation) and
+    `optimizer_s` (clipping and the optimizer's update).
 
     Returns:
         (the schedule's forward data store: one metrics dict per micro-batch on the last stage,
         the global gradient norm before clipping, nan if the optimizer did not report one).
     """
+    t0 = time.perf_counter()
     store = forward_backward(model, optimizer, microbatches, loss_func_of, pp=pp)
+    t1 = time.perf_counter()
     _, grad_norm, _ = optimizer.step()
+    if timings is not None:
+        timings["fwd_bwd_s"] = t1 - t0
+        timings["optimizer_s"] = time.perf_counter() - t1
     return store, float(grad_norm) if grad_norm is not None else float("nan")
 
 

@@ -30,6 +30,28 @@ from rollout_bridge.core.types import RolloutBatch, check_weight_version
 logger = logging.getLogger(__name__)
 
 
+def capture(fn: Callable[[], Any], failure_log: str) -> tuple[str, Any]:
+    """Rank 0: ("ok", fn()) or ("error", "<type>: <message>") (logged with `failure_log`), the
+    outcome `share_from_rank0` hands to every rank."""
+    try:
+        return ("ok", fn())
+    except Exception as exc:  # noqa: BLE001 - re-raised on every rank by share_from_rank0
+        logger.exception(failure_log)
+        return ("error", f"{type(exc).__name__}: {exc}")
+
+
+def share_from_rank0(outcome: tuple[str, Any] | None) -> Any:
+    """Collective: rank 0's `capture` outcome (None elsewhere) -> its value on every rank, or a
+    RuntimeError naming rank 0's error on every rank."""
+    box = [outcome]
+    # Object broadcast from rank 0: the result (or the error text) reaches every rank.
+    dist.broadcast_object_list(box, src=0)
+    status, value = box[0]
+    if status == "error":
+        raise RuntimeError(f"rollout server call failed on rank 0: {value}")
+    return value
+
+
 class PendingRollout:
     """A generation started by `ServerRollout.submit` (a thread on rank 0, nothing elsewhere)."""
 
@@ -73,19 +95,8 @@ class ServerRollout:
 
     def _on_rank0(self, fn: Callable[[], Any]) -> Any:
         """Runs fn on rank 0 and broadcasts its result (or its exception) to every rank."""
-        box = [None]
-        if dist.get_rank() == 0:
-            try:
-                box[0] = ("ok", fn())
-            except Exception as exc:  # noqa: BLE001 - re-raised on every rank
-                box[0] = ("error", f"{type(exc).__name__}: {exc}")
-                logger.exception("rank 0 rollout-server call failed")
-        # Object broadcast from rank 0: the result (or the error text) reaches every rank.
-        dist.broadcast_object_list(box, src=0)
-        status, value = box[0]
-        if status == "error":
-            raise RuntimeError(f"rollout server call failed on rank 0: {value}")
-        return value
+        outcome = capture(fn, "rank 0 rollout-server call failed") if dist.get_rank() == 0 else None
+        return share_from_rank0(outcome)
 
     # ------------------------------------------------------------------ rollouts
 

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_pdm.netutil import free_port
-from megatron_pdm.train.server_rollout import ServerRollout
+from megatron_pdm.train.server_rollout import ServerRollout, capture, share_from_rank0
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class SGLangRollout(ServerRollout):
         device = "cpu" if r.weight_sync.backend == "gloo" else None
         groups = iter_hf_groups(self._module(), self.arch, dst=0, dtype=self.push_dtype,
                                 expert_layout="per_expert", device=device)
-        box = [None]
+        outcome = None
         if dist.get_rank() == 0:
             digests: list[str] | None = [] if r.weight_sync.digest else None
 
@@ -133,14 +133,14 @@ class SGLangRollout(ServerRollout):
                             digests.append(tensor_digest(name, tensor))
                         yield name, tensor
 
-            try:
+            def push():
                 stats = self.sender.push(named(), str(version))
                 if digests is not None:
                     stats["digest"] = combine_digests(digests)
-                box[0] = ("ok", stats)
-            except Exception as exc:
-                logger.exception("weight sync to version %s failed", version)
-                box[0] = ("error", f"{type(exc).__name__}: {exc}")
+                return stats
+
+            try:
+                outcome = capture(push, f"weight sync to version {version} failed")
             finally:
                 # Collective (live gather, default group): finish it whatever happened
                 for _ in groups:
@@ -149,12 +149,8 @@ class SGLangRollout(ServerRollout):
             # Collective (live gather, default group): send this rank's shards to rank 0
             for _ in groups:
                 pass
-        # Object broadcast from rank 0: the push's stats (or its error) reach every rank.
-        dist.broadcast_object_list(box, src=0)
-        status, value = box[0]
-        if status == "error":
-            raise RuntimeError(f"rollout server call failed on rank 0: {value}")
-        return value
+        # Collective: the push's stats (or its error) reach every rank.
+        return share_from_rank0(outcome)
 
     def _meta(self) -> dict:
         from megatron.core import parallel_state as ps

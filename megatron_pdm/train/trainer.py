@@ -137,11 +137,15 @@ class Trainer:
         self.rollout.sync(str(self.iteration))
 
     def _step(self, microbatches: list, loss_func_of) -> tuple[dict[str, float], float]:
-        """One optimizer step over this rank's micro-batches; metric means over DP."""
+        """One optimizer step over this rank's micro-batches; metric means over DP (and the
+        step's phase times, `time/fwd_bwd_s` and `time/optimizer_s`, this rank's)."""
+        timings: dict[str, float] = {}
         store, grad_norm = optimizer_step(self.model, self.optimizer, microbatches,
-                                          loss_func_of, pp=self.cfg.parallel.pp)
+                                          loss_func_of, pp=self.cfg.parallel.pp, timings=timings)
         means = reduce_step_metrics(store, dp_group=self.dp_group,
                                     is_last_stage=self.is_last_stage, pp=self.cfg.parallel.pp)
+        means[M.TIME_FWD_BWD] = timings["fwd_bwd_s"]
+        means[M.TIME_OPTIMIZER] = timings["optimizer_s"]
         return means, grad_norm
 
     def _generate(self, problems: list, temperature: float, n: int):
@@ -272,9 +276,13 @@ class Trainer:
                    else float("nan"))
         staleness = self.iteration - version  # trainer weights = version str(self.iteration)
         t_rollout += self._ready_wait_s
+        pad_frac = 1.0 - float(sum(len(smp.prompt_ids) + len(smp.response_ids)
+                                   for smp in batch.samples)) / max(packed.tokens.numel(), 1)
         last: dict = {}
         steps_this_batch = 0
         for e, j, idx in plan:
+            if last:  # the iteration's last row waits for the push's time (below)
+                writer.write(last)
             t1 = time.time()
             mbs = [packed.select_rows(m) for m in self._dp_microbatches(idx)]
             lr = rl_lr(cfg.train, self.step)  # from the step count: a resume continues it
@@ -292,13 +300,15 @@ class Trainer:
                     M.WEIGHT_VERSION: version, M.STALENESS: staleness,
                     M.TIME_ROLLOUT: t_rollout if steps_this_batch == 1 else 0.0,
                     M.TIME_TRAIN_STEP: time.time() - t1, M.NUM_SAMPLES: len(batch.samples),
+                    M.PAD_FRAC: pad_frac, M.TIME_WEIGHT_SYNC: 0.0, M.TIME_ITERATION: 0.0,
                     M.TIME_UNIX: time.time()}
-            writer.write(last)
         self.iteration += 1
         self._collect_next()  # overlap: the server must be idle before the push
         t2 = time.time()
         self.sync_weights()
         last[M.TIME_WEIGHT_SYNC] = time.time() - t2
+        last[M.TIME_ITERATION] = time.time() - t0
+        writer.write(last)
         return last
 
     # ------------------------------------------------------------------ state

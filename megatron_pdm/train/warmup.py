@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_pdm import metrics as M
+from megatron_pdm.intmath import round_up
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ def sft_batch(task, problems: list, *, pad_id: int, pad_to_multiple_of: int) -> 
     """The task's supervised batch, right-padded to a multiple (sequence parallelism)."""
     full = task.sft_batch(problems)
     b, length = full["tokens"].shape
-    padded = -(-length // pad_to_multiple_of) * pad_to_multiple_of
+    padded = round_up(length, pad_to_multiple_of)
     extra = padded - length
 
     def pad(t: torch.Tensor, value) -> torch.Tensor:

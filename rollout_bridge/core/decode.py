@@ -96,6 +96,17 @@ def text(value: Any) -> str:
     return preview(value)
 
 
+def row_locator(lens_t: np.ndarray) -> Callable[[int], tuple[int, int]]:
+    """Flat entry j of ragged rows with lengths lens_t -> (position, slot); used on errors only
+    (the `locate` argument of `floats` / `ints` / `pair_columns`)."""
+    ends_t = np.cumsum(lens_t)
+
+    def locate(j: int) -> tuple[int, int]:
+        p = int(np.searchsorted(ends_t, j, side="right"))
+        return p, int(j - (ends_t[p] - lens_t[p]))
+    return locate
+
+
 def _where(locate: Callable[[int], tuple[int | None, int | None]] | None, j: int
            ) -> tuple[int | None, str]:
     """(position, " slot s" text) of flat entry j (default: entry j is position j)."""

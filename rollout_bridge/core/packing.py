@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
+from megatron_pdm.intmath import round_up
 from rollout_bridge.core.types import PackedBatch, RolloutBatch, RolloutSample
 
 logger = logging.getLogger(__name__)
@@ -35,10 +36,6 @@ def _advantages(batch: RolloutBatch, advantages) -> torch.Tensor:
     if adv_b.shape[0] != b:
         raise ValueError(f"got {adv_b.shape[0]} advantages for {b} samples")
     return adv_b
-
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
 
 
 def _check(sample: RolloutSample, i: int) -> tuple[int, int]:
@@ -117,7 +114,7 @@ def pack_padded(batch: RolloutBatch, advantages: Sequence[float] | torch.Tensor 
     """
     adv_b = _advantages(batch, advantages)
     lens = [_check(s, i) for i, s in enumerate(batch.samples)]
-    width = _round_up(max((p + t for p, t in lens), default=1), pad_to_multiple_of)
+    width = round_up(max((p + t for p, t in lens), default=1), pad_to_multiple_of)
     f = _empty(len(batch.samples), width, _support_width(batch), pad_id)
     for i, (sample, (p, t)) in enumerate(zip(batch.samples, lens)):
         _write(f, i, 0, sample, i, float(adv_b[i]), p, t)
@@ -141,7 +138,7 @@ def pack_thd(batch: RolloutBatch, advantages: Sequence[float] | torch.Tensor | N
     """
     adv_b = _advantages(batch, advantages)
     lens = [_check(s, i) for i, s in enumerate(batch.samples)]
-    seg_lens = [_round_up(p + t, pad_to_multiple_of) for p, t in lens]
+    seg_lens = [round_up(p + t, pad_to_multiple_of) for p, t in lens]
     cu = torch.zeros(len(seg_lens) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(torch.tensor(seg_lens, dtype=torch.int64), 0).to(torch.int32)
     f = _empty(1, max(int(cu[-1]), 1), _support_width(batch), pad_id)

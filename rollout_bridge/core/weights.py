@@ -26,6 +26,8 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from megatron_pdm.intmath import ceil_div
+
 logger = logging.getLogger(__name__)
 
 FP8_E4M3_MAX = 448.0
@@ -61,7 +63,7 @@ def fake_quant_fp8(x: torch.Tensor, block_size: int | None = 128) -> torch.Tenso
         scale = torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))
         return (_fp8_roundtrip(x32 / scale) * scale).to(x.dtype)
     rows, cols = x32.shape
-    br, bc = -(-rows // block_size), -(-cols // block_size)
+    br, bc = ceil_div(rows, block_size), ceil_div(cols, block_size)
     padded = torch.zeros(br * block_size, bc * block_size, dtype=torch.float32)
     padded[:rows, :cols] = x32
     tiles = padded.view(br, block_size, bc, block_size)

@@ -17,6 +17,8 @@ Only the failed items of a request are re-sent. Every requested (prompt, sample)
 once in the batch, as a sample or as a `RolloutFailure` (prompt and sample index, attempts, last
 error, which names the sample index of the call, never its position inside a retry request);
 `raise_on_failure=True` turns failures into an exception. Other HTTP 4xx are not retried.
+The attempt loop, retry policy and HTTP status rule are the bridge's one copy
+(`rollout_bridge/core/attempts.py`, shared with the vLLM client).
 
 Sampling params: the shared guard (`engine.check_sampling_params`: no truncation, no logit
 modifiers) plus what SGLang itself refuses with `--skip-tokenizer-init` or at all, so such a call
@@ -53,6 +55,7 @@ import torch
 
 from rollout_bridge.core.decode import MalformedResponseError, loads
 from rollout_bridge.core.apikey import ApiKey
+from rollout_bridge.core.attempts import RetryPolicy, retryable_status, run_samples
 from rollout_bridge.core.engine import (
     AttemptError,
     assemble_batch,
@@ -235,9 +238,8 @@ class SGLangEngine:
                               raise_on_failure=raise_on_failure, vocab_size=self.vocab_size,
                               validated=True)
 
-    def _backoff(self, attempt: int) -> float:
-        base = min(self.backoff_max_s, self.backoff_s * 2 ** (attempt - 1))
-        return base * (0.5 + self._rng.random())
+    def _policy(self) -> RetryPolicy:
+        return RetryPolicy(self.max_retries, self.backoff_s, self.backoff_max_s, self._rng)
 
     def _server(self, p: int, attempt: int) -> str:
         """Prompt p's server for its attempt: round-robin over the call's prompts, a retry on
@@ -247,38 +249,23 @@ class SGLangEngine:
 
     async def _run_prompt(self, session, sem, p: int, prompt: list[int], params: dict,
                           temperature: float, n: int, outcomes: dict) -> None:
-        pending = list(range(n))
-        attempts = dict.fromkeys(pending, 0)
-        rounds = 0
-        while pending:
-            rounds += 1
-            for j in pending:
-                attempts[j] += 1
+        server: dict[int, str] = {}  # sample -> the server of its latest attempt
+
+        async def send_round(rounds: int, pending: list[int], attempts: dict[int, int]):
+            # One request for every pending sample, on the round's server.
             rids = [f"rb{self.seed}-{self._calls}-p{p}-s{j}-a{attempts[j]}" for j in pending]
             url = self._server(p, rounds)
             async with sem:
                 results = await self._attempt(session, url, p, prompt, pending, params,
                                               temperature, rids)
-            retry = []
-            for j, res in zip(pending, results):
-                key = (p, j)
-                if key in outcomes:
-                    raise AssertionError(f"duplicate outcome for prompt {p} sample {j}")
-                if isinstance(res, RolloutSample):
-                    res.meta_info["attempts"] = attempts[j]
-                    res.meta_info["server"] = url
-                    outcomes[key] = res
-                elif res.retryable and attempts[j] <= self.max_retries:
-                    logger.info("prompt %d sample %d attempt %d failed on %s (%s): %s; retrying",
-                                p, j, attempts[j], url, res.kind, res)
-                    retry.append(j)
-                else:
-                    logger.warning("prompt %d sample %d failed after %d attempt(s) (%s): %s", p,
-                                   j, attempts[j], res.kind, res)
-                    outcomes[key] = RolloutFailure(p, j, attempts[j], str(res), res.kind)
-            if retry:
-                await asyncio.sleep(self._backoff(max(attempts[j] for j in retry)))
-            pending = retry
+            server.update(dict.fromkeys(pending, url))
+            return zip(pending, results), url
+
+        def stamp(j: int, sample: RolloutSample, attempts: int) -> None:
+            sample.meta_info["attempts"] = attempts
+            sample.meta_info["server"] = server[j]
+
+        await run_samples(p, n, send_round, self._policy(), outcomes, stamp)
 
     async def _post(self, session, url: str, payload: dict) -> Any:
         """POSTs /generate; returns the decoded JSON list or raises `AttemptError`."""
@@ -294,7 +281,7 @@ class SGLangEngine:
         except aiohttp.ClientError as exc:
             raise AttemptError("connection", f"{url}: {type(exc).__name__}: {exc}") from None
         if status != 200:
-            retryable = status >= 500 or status in (408, 429)
+            retryable = retryable_status(status)
             hint = " (API key missing or wrong)" if status == 401 else ""
             raise AttemptError("http", f"{url}: HTTP {status}{hint}: {error_message(raw)}",
                                 retryable)

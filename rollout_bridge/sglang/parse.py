@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -42,6 +41,7 @@ from rollout_bridge.core.decode import (
     loads,
     pair_columns,
     preview,
+    row_locator,
     sort_rank_order,
     text,
     to_sample,
@@ -54,16 +54,6 @@ __all__ = ["MalformedResponseError", "loads", "parse_generate_response", "parse_
 logger = logging.getLogger(__name__)
 
 _chain = itertools.chain.from_iterable
-
-
-def _row_locator(lens_t: np.ndarray) -> Callable[[int], tuple[int, int]]:
-    """Flat entry j of ragged rows with lengths lens_t -> (position, slot); used on errors only."""
-    ends_t = np.cumsum(lens_t)
-
-    def locate(j: int) -> tuple[int, int]:
-        p = int(np.searchsorted(ends_t, j, side="right"))
-        return p, int(j - (ends_t[p] - lens_t[p]))
-    return locate
 
 
 _ROW_TYPES = frozenset({list, type(None)})
@@ -93,7 +83,7 @@ def _parse_top(top: list, t: int, k: int, sample_index: int
         [row or () for row in top]
     n = int(lens_t.sum())
     ids_n, lp_n = pair_columns(lambda: _chain(rows), n, _TOP, sample_index,
-                               _row_locator(lens_t))
+                               row_locator(lens_t))
     starts_t = np.cumsum(lens_t) - lens_t
     pos_n = np.repeat(np.arange(t), lens_t)
     slot_n = np.arange(n) - np.repeat(starts_t, lens_t)

@@ -20,7 +20,8 @@ Delivery guarantees (same as `SGLangEngine`): every requested (prompt, sample) p
 once in the batch, as a sample or as a `RolloutFailure` naming prompt, sample, attempts and the
 last error; responses are validated (errors name sample and position); retries with exponential
 backoff (seeded jitter) on connection errors, timeouts, HTTP 5xx/408/429, malformed bodies,
-invalid samples and `finish_reason == "abort"`; other 4xx are not retried. An HTTP 503 from a
+invalid samples and `finish_reason == "abort"`; other 4xx are not retried (the attempt loop of
+`rollout_bridge/core/attempts.py`, shared with the SGLang client). An HTTP 503 from a
 paused server (vLLM 0.33 rejects new requests while paused with mode abort/wait, 0.32 held them:
 vllm/entrypoints/rl/online/api_router.py l.39-40) is not an attempt: the request waits for
 /resume (`/is_paused` polled, up to `pause_wait_s`) and is sent again; a longer pause fails the
@@ -41,6 +42,7 @@ from typing import Any
 
 from rollout_bridge.core.decode import MalformedResponseError
 from rollout_bridge.core.apikey import ApiKey
+from rollout_bridge.core.attempts import RetryPolicy, run_samples
 from rollout_bridge.core.engine import (
     AttemptError,
     assemble_batch,
@@ -303,9 +305,8 @@ class VLLMEngine:
             await asyncio.sleep(min(0.2, left))
         return True
 
-    def _backoff(self, attempt: int) -> float:
-        base = min(self.backoff_max_s, self.backoff_s * 2 ** (attempt - 1))
-        return base * (0.5 + self._rng.random())
+    def _policy(self) -> RetryPolicy:
+        return RetryPolicy(self.max_retries, self.backoff_s, self.backoff_max_s, self._rng)
 
     @staticmethod
     def prompt_seed(call_seed: int, p: int) -> int:
@@ -315,38 +316,20 @@ class VLLMEngine:
     async def _run_prompt(self, session, sem, state: CallState, p: int, prompt: list[int],
                           body: dict, call_seed: int, n: int, outcomes: dict) -> None:
         base = self.prompt_seed(call_seed, p)
-        pending = list(range(n))
-        attempts = dict.fromkeys(pending, 0)
-        first = True
-        while pending:
-            for j in pending:
-                attempts[j] += 1
+
+        async def send_round(rounds: int, pending: list[int], attempts: dict[int, int]):
             # First attempt: one request with n (child j gets seed base + j); retries: one
             # request per sample with its own seed.
-            groups = [pending] if first else [[j] for j in pending]
-            first = False
+            groups = [pending] if rounds == 1 else [[j] for j in pending]
             answers = await asyncio.gather(*(
                 self._attempt(session, sem, state, prompt, g, body, base) for g in groups))
-            retry = []
-            for group, results in zip(groups, answers):
-                for j, res in zip(group, results):
-                    key = (p, j)
-                    if key in outcomes:
-                        raise AssertionError(f"duplicate outcome for prompt {p} sample {j}")
-                    if isinstance(res, RolloutSample):
-                        res.meta_info.update(attempts=attempts[j], seed=base + j)
-                        outcomes[key] = res
-                    elif res.retryable and attempts[j] <= self.max_retries:
-                        logger.info("prompt %d sample %d attempt %d failed (%s): %s; retrying",
-                                    p, j, attempts[j], res.kind, res)
-                        retry.append(j)
-                    else:
-                        logger.warning("prompt %d sample %d failed after %d attempt(s) (%s): %s",
-                                       p, j, attempts[j], res.kind, res)
-                        outcomes[key] = RolloutFailure(p, j, attempts[j], str(res), res.kind)
-            if retry:
-                await asyncio.sleep(self._backoff(max(attempts[j] for j in retry)))
-            pending = sorted(retry)
+            return ((j, res) for group, results in zip(groups, answers)
+                    for j, res in zip(group, results)), None
+
+        def stamp(j: int, sample: RolloutSample, attempts: int) -> None:
+            sample.meta_info.update(attempts=attempts, seed=base + j)
+
+        await run_samples(p, n, send_round, self._policy(), outcomes, stamp)
 
     async def _attempt(self, session, sem, state: CallState, prompt: list[int],
                        items: list[int], body: dict, base_seed: int) -> list:

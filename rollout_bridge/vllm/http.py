@@ -22,6 +22,7 @@ from typing import Any
 import aiohttp
 
 from rollout_bridge.core.apikey import ApiKey
+from rollout_bridge.core.attempts import retryable_status
 from rollout_bridge.core.decode import MalformedResponseError, loads
 from rollout_bridge.core.engine import AttemptError, run_sync
 from rollout_bridge.core.types import EngineMismatchError
@@ -80,7 +81,7 @@ class VLLMHTTP:
         if ok and status not in ok:
             kind = "http5xx" if status >= 500 else "http"
             raise AttemptError(kind, f"{method} {path}: HTTP {status}: {raw[:400]!r}",
-                                retryable=status >= 500 or status in (408, 429))
+                                retryable=retryable_status(status))
         if not raw.strip():
             return status, {}
         try:

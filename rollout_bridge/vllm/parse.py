@@ -38,6 +38,7 @@ from rollout_bridge.core.decode import (
     folded_support,
     ints,
     preview,
+    row_locator,
     sort_rank_order,
     text,
     to_sample,
@@ -76,7 +77,7 @@ def _key_ids(keys: list, lens_t: np.ndarray, sample_index: int) -> np.ndarray:
             return np.fromiter(map(int, digits), dtype=np.int64, count=len(keys))
         except (ValueError, OverflowError):  # an empty id, or one beyond int64
             pass
-    locate = _locator(lens_t)
+    locate = row_locator(lens_t)
     for j, (key, text_id) in enumerate(zip(keys, digits)):
         if not key.startswith(_PREFIX) or not _ID.fullmatch(text_id):
             p, slot = locate(j)
@@ -88,15 +89,6 @@ def _key_ids(keys: list, lens_t: np.ndarray, sample_index: int) -> np.ndarray:
             raise RolloutValidationError(f"top_logprobs entry {slot}: id {preview(key)} out of "
                                          "range (does not fit int64)", sample_index, p)
     return np.fromiter(map(int, digits), dtype=np.int64, count=len(keys))
-
-
-def _locator(lens_t: np.ndarray):
-    ends_t = np.cumsum(lens_t)
-
-    def locate(j: int) -> tuple[int, int]:
-        p = int(np.searchsorted(ends_t, j, side="right"))
-        return p, int(j - (ends_t[p] - lens_t[p]))
-    return locate
 
 
 def _top_arrays(top: list, sampled_ids: np.ndarray, sampled_lp_raw: np.ndarray, k: int,
@@ -119,7 +111,7 @@ def _top_arrays(top: list, sampled_ids: np.ndarray, sampled_lp_raw: np.ndarray, 
     keys = list(_chain(top))
     ids_n = _key_ids(keys, lens_t, sample_index)
     lp_n = floats(list(_chain(d.values() for d in top)), len(keys), "top_logprobs",
-                  sample_index, _locator(lens_t))
+                  sample_index, row_locator(lens_t))
     start_t = np.cumsum(lens_t) - lens_t
     if (ids_n[start_t] != sampled_ids).any():
         p = first(ids_n[start_t] != sampled_ids)

@@ -56,15 +56,19 @@ def test_the_controls_stand_beside_the_rate_in_the_report():
 
 def test_cli_power_analysis_chooses_the_seeds(tmp_path):
     from megatron_pdm.configtree import ConfigError
-    from megatron_pdm.tools.analyze_masks import _power, parse_args
+    from megatron_pdm.tools.analyze_masks import _power, _seeds, parse_args
 
     a = parse_args(["--out-dir", "o", "--power-effect", "-0.027", "--power-sd", "0.059"])
     assert _power(a)["t_test"] == 40
     pilot = tmp_path / "results.json"
-    pilot.write_text(json.dumps({"summary": {"paired": [
+    pilot.write_text(json.dumps({"setup": {"seeds": [1, 2, 3]}, "summary": {"paired": [
         {"criterion": "pdm-agg", "per_seed_difference": [0.0, 0.1, -0.1]}]}}))
     a = parse_args(["--out-dir", "o", "--power-effect", "-0.05", "--pilot", str(pilot)])
-    got = _power(a)
+    got = _power(a, "pdm-agg")
     assert got["sd"] == pytest.approx(0.1) and "pilot" in got["sd_source"]
+    assert got["pilot_seeds"] == [1, 2, 3]
+    a = parse_args(["--out-dir", "o", "--power-effect", "-0.05", "--pilot", str(pilot),
+                    "--first-seed", "101"])
+    assert _seeds(a, _power(a))[:2] == [101, 102] and len(_seeds(a, _power(a))) == _power(a)["t_test"]
     with pytest.raises(ConfigError, match="exactly one"):
         _power(parse_args(["--out-dir", "o", "--power-effect", "-0.05"]))

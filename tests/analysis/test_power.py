@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from megatron_pdm.analysis.power import pilot_sd, seeds_needed
+from megatron_pdm.analysis.power import check_independent, pilot_sd, pilot_seeds, seeds_needed
 
 
 @pytest.mark.parametrize("d, n_t", [(0.5, 34), (0.3, 90), (0.8, 15)])
@@ -38,3 +38,18 @@ def test_pilot_sd_reads_the_paired_differences(tmp_path):
     assert n == 3 and sd == pytest.approx(0.1)
     with pytest.raises(ValueError, match="no paired comparison"):
         pilot_sd(str(path), "pdm-exact")
+
+
+def test_a_pilot_that_shares_seeds_with_the_study_is_refused(tmp_path):
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"setup": {"seeds": [1, 2, 3, 4]}, "summary": {"paired": []}}))
+    seeds = pilot_seeds(str(path))
+    check_independent(str(path), seeds, list(range(101, 141)))  # independent: accepted
+    with pytest.raises(ValueError) as err:
+        check_independent(str(path), seeds, list(range(1, 41)))  # an internal pilot
+    msg = str(err.value)
+    assert "[1, 2, 3, 4]" in msg and "[1, 2, 3, 4, 5" in msg and "shared: [1, 2, 3, 4]" in msg
+    assert "--first-seed 5" in msg
+    path.write_text(json.dumps({"summary": {"paired": []}}))
+    with pytest.raises(ValueError, match="no setup.seeds"):
+        pilot_seeds(str(path))

@@ -7,7 +7,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from megatron_pdm.analysis.report import _engine_words
-from megatron_pdm.analysis.study import _server_summary
+from megatron_pdm.analysis.study_setup import server_summary as _server_summary
 
 
 def test_local_engine_is_the_engine_copy():

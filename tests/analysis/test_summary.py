@@ -1,13 +1,16 @@
-"""Across-seed summary: pooled vs mean rates, paired wins, sign test, bootstrap intervals."""
+"""Across-seed summary: pooled vs mean rates, seeds without a rate counted, paired wins, the
+sign and sign-flip tests, Holm, the primary comparison, the descriptive bootstrap."""
 
 from __future__ import annotations
 
 import math
+import statistics
 
 import pytest
 
+from megatron_pdm import significance
 from megatron_pdm.analysis.criteria import build_criteria
-from megatron_pdm.analysis.summary import bootstrap_mean_ci, sign_test_p, summarize
+from megatron_pdm.analysis.summary import sign_test_p, summarize
 from megatron_pdm.config import PolicyLossConfig
 
 
@@ -31,11 +34,66 @@ def test_pooled_mean_and_paired_wins():
     assert r["mean"] == pytest.approx((0.5 + 0.5 + 0.3 + 0.5) / 4)
     assert p["per_seed"] == [0.4, 0.5, 0.4, None]  # seed 4 keeps nothing out of region
     assert p["pooled"] == pytest.approx(9 / 22) and p["seeds"] == 3
+    # pooled counts with their Wilson interval; the seed without a rate is counted, not lost
+    assert (p["k"], p["n"], p["n_seeds_no_rate"]) == (9, 22, 1)
+    assert p["wilson95"] == pytest.approx(significance.wilson_interval(9, 22))
+    assert r["n_seeds_no_rate"] == 0
     (pair,) = s["paired"]
     assert (pair["wins"], pair["losses"], pair["ties"], pair["seeds"]) == (1, 1, 1, 3)
+    assert (pair["n_seeds_run"], pair["n_seeds_entered"]) == (4, 3)
+    assert pair["n_seeds_no_rate"] == {"criterion": 1, "baseline": 0, "either": 1}
     assert pair["mean_difference"] == pytest.approx((-0.1 + 0.0 + 0.1) / 3)
     assert pair["per_seed_difference"][3] is None
+    assert pair["sign_flip_p"] == pytest.approx(1.0) and pair["sign_test_p"] == 1.0
+    assert pair["p_floor"] == 0.5 and pair["verdict"].startswith("undecided")
     assert s["criteria"]["pdm-agg"]["mean_n_disagree"] == 1
+    assert s["primary"] is None and not pair["primary"]
+
+
+def _crit4():
+    return build_criteria(("ratio", "pdm-agg", "pdm-exact"), PolicyLossConfig.preset("pdm-agg"),
+                          delta_kl=0.15, delta_tv=0.2)
+
+
+def _seed3(r, a, e):
+    seed = _seed(r, 10, a, 10)
+    seed["criteria"]["pdm-exact"] = dict(seed["criteria"]["pdm-agg"], n_unsafe_kept=e,
+                                         n_shrink_kept=10 - e)
+    return seed
+
+
+def test_holm_over_every_comparison_and_the_primary_is_marked():
+    # pdm-agg lower on 12 of 12 seeds, pdm-exact tied with ratio on all
+    seeds = [_seed3(6, 3, 6) for _ in range(12)]
+    s = summarize(seeds, _crit4(), primary="pdm-agg:ratio")
+    rows = {r["criterion"]: r for r in s["paired"]}
+    agg, exact = rows["pdm-agg"], rows["pdm-exact"]
+    assert agg["primary"] and not exact["primary"]
+    assert s["primary"] == "pdm-agg:ratio:unsafe_keep_rate"
+    assert agg["family_size"] == 2
+    assert agg["sign_flip_p"] == pytest.approx(2 / 2 ** 12)  # exact: all same sign
+    assert agg["sign_test_p"] == pytest.approx(2 / 2 ** 12)
+    assert agg["p_holm"] == pytest.approx(2 * agg["sign_flip_p"])
+    assert agg["verdict"] == "lower" and exact["verdict"].startswith("undecided")
+    assert exact["p_holm"] == 1.0
+    # a primary outside the comparisons of the defaults is added to the family
+    s = summarize(seeds, _crit4(), primary="pdm-exact:pdm-agg")
+    assert len(s["paired"]) == 3 and s["paired"][0]["primary"]
+    assert s["paired"][0]["verdict"] == "higher"
+    with pytest.raises(ValueError, match="not among the study's criteria"):
+        summarize(seeds, _crit4(), primary="pdm-uniform:ratio")
+
+
+def test_power_check_sets_the_measured_sd_beside_the_assumed_one():
+    seeds = [_seed3(6, 3 + (k % 3), 6) for k in range(12)]
+    power = {"effect": -0.027, "sd": 0.059, "t_test": 40, "sd_source": "stated"}
+    s = summarize(seeds, _crit4(), primary="pdm-agg:ratio", power=power)
+    pc = s["power_check"]
+    diffs = s["paired"][0]["per_seed_difference"]
+    assert pc["sd_measured"] == pytest.approx(statistics.stdev(diffs))
+    assert pc["sd_assumed"] == 0.059 and pc["n_seeds_entered"] == 12
+    assert pc["power_at_assumed_sd"] == pytest.approx(
+        significance.power_paired(-0.027, 0.059, 12))
 
 
 def test_sign_test_exact_values():
@@ -47,10 +105,12 @@ def test_sign_test_exact_values():
     assert sign_test_p(38, 23) == pytest.approx(want) and 0.07 < want < 0.075
 
 
-def test_bootstrap_is_reproducible_and_brackets_the_mean():
-    values = [0.1, -0.3, 0.25, 0.0, -0.05, 0.4, -0.2]
-    ci = bootstrap_mean_ci(values, seed=3)
-    assert ci == bootstrap_mean_ci(values, seed=3)
-    assert ci[0] < sum(values) / len(values) < ci[1]
-    assert bootstrap_mean_ci([0.2], seed=0) is None
-    assert bootstrap_mean_ci([0.2, 0.2, 0.2], seed=0) == (pytest.approx(0.2), pytest.approx(0.2))
+def test_the_descriptive_bootstrap_is_significance_bootstrap_ci():
+    seeds = [_seed(5, 10, 4, 10), _seed(1, 2, 1, 2), _seed(3, 10, 4, 10), _seed(2, 4, 0, 0)]
+    crit = build_criteria(("ratio", "pdm-agg"), PolicyLossConfig.preset("pdm-agg"),
+                          delta_kl=0.15, delta_tv=0.2)
+    s = summarize(seeds, crit, bootstrap_seed=3)
+    (pair,) = s["paired"]
+    diffs = [d for d in pair["per_seed_difference"] if d is not None]
+    assert pair["bootstrap_ci95_descriptive"] == significance.bootstrap_ci(diffs, seed=3)
+    assert summarize(seeds, crit, bootstrap_seed=3) == s  # reproducible bit for bit

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from megatron_pdm.convert import mapping
+from megatron_pdm.convert import expert_layouts, mapping
 from megatron_pdm.convert.hf_io import HFReader, ShardedSafetensorsWriter, parse_size
 from megatron_pdm.arch import Qwen3MoeArch
 
@@ -48,13 +48,13 @@ def test_grouped_expert_layouts_round_trip(style):
         for j in range(4)
     }
     seq["decoder.layers.0.mlp.router.weight"] = torch.randn(8, 16)
-    grouped = mapping.sequential_to_grouped(seq, style)
+    grouped = expert_layouts.sequential_to_grouped(seq, style)
     if style == "te":
         assert "decoder.layers.0.mlp.experts.linear_fc1.weight3" in grouped
     else:
         assert grouped["decoder.layers.0.mlp.experts.weight1"].shape == (16, 4 * 64)
         assert grouped["decoder.layers.0.mlp.experts.weight2"].shape == (4 * 32, 16)
-    back = mapping.grouped_to_sequential(grouped, hidden_size=16, num_local_experts=4)
+    back = expert_layouts.grouped_to_sequential(grouped, hidden_size=16, num_local_experts=4)
     assert back.keys() == seq.keys()
     assert all(torch.equal(back[k], seq[k]) for k in seq)
 
@@ -116,7 +116,7 @@ def test_legacy_grouped_layout_matches_groupedmlp_views():
     fc2 = [torch.randn(16, 32) for _ in range(4)]
     seq = {f"mlp.experts.local_experts.{j}.linear_fc1.weight": fc1[j] for j in range(4)}
     seq |= {f"mlp.experts.local_experts.{j}.linear_fc2.weight": fc2[j] for j in range(4)}
-    g = mapping.sequential_to_grouped(seq, "legacy")
+    g = expert_layouts.sequential_to_grouped(seq, "legacy")
     x = torch.randn(3, 16)
     w1, w2 = g["mlp.experts.weight1"], g["mlp.experts.weight2"]
     assert w1.shape == (16, 4 * 64) and w2.shape == (4 * 32, 16)

@@ -63,7 +63,7 @@ def _bridge_divisor(vocab_size: int) -> int:
 def _ours(hf_dir, grouped: bool) -> tuple[dict[str, torch.Tensor], object]:
     """This project's megatron tensors of `hf_dir` under Megatron-Bridge's (TE spec) names."""
     from megatron_pdm.arch import Qwen3MoeArch
-    from megatron_pdm.convert import mapping
+    from megatron_pdm.convert import expert_layouts, mapping
     from megatron_pdm.convert.hf_io import HFReader, read_hf_config
 
     arch = Qwen3MoeArch.from_hf_config(read_hf_config(hf_dir))
@@ -72,7 +72,7 @@ def _ours(hf_dir, grouped: bool) -> tuple[dict[str, torch.Tensor], object]:
     state = {name: mapping.canonical_from_hf(name, reader, arch, layout)
              for name in mapping.canonical_shapes(arch)}
     if grouped:  # TEGroupedMLP: experts.linear_fc1.weight{e}
-        state = mapping.sequential_to_grouped(state, "te")
+        state = expert_layouts.sequential_to_grouped(state, "te")
     # TE spec: the attention input norm is fused into linear_qkv
     return {_INPUT_NORM.sub(r"\1self_attention.linear_qkv.layer_norm_weight", k): v
             for k, v in state.items()}, arch

@@ -8,7 +8,8 @@ megatron-pdm` must keep them and give working console commands. The test:
 2. makes a fresh venv from the base interpreter whose pre-installed stack is this environment's
    site-packages minus the project (a `.pth` pointing at a folder of links: torch,
    megatron-core, transformers, ... are visible to pip as installed, the editable project is not);
-3. installs the wheel WITH dependency resolution but `--no-index` and `-c constraints/ci.txt`:
+3. installs the wheel with its `[all]` extra (the driver's dependencies) WITH dependency
+   resolution but `--no-index` and `-c constraints/ci.txt`:
    every requirement must be met by the stack as it is (a requirement that wanted a different
    torch would fail here, there is no index to fetch one from);
 4. runs every console command's `--help` and a tiny conversion with the commands from a working
@@ -124,8 +125,10 @@ def test_the_wheel_installs_over_a_preinstalled_torch_and_converts(tmp_path):
     torch_before = _torch_where(py, work, env)
     assert torch_before.startswith(torch.__version__), torch_before
 
+    # the driver's extras (the core alone needs only torch, numpy, pyyaml:
+    # tests/packaging/test_core_install.py)
     _run([sys.executable, "-m", "pip", "--python", py, "install", "--no-index", "-q",
-          "-c", ROOT / "constraints" / "ci.txt", wheel], cwd=work, env=env)
+          "-c", ROOT / "constraints" / "ci.txt", f"{wheel}[all]"], cwd=work, env=env)
 
     assert _torch_where(py, work, env) == torch_before
     purelib = Path(_run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],

@@ -41,7 +41,7 @@ def test_preset_defaults():
     assert (d.shaping, d.delta_high, d.ratio_cap) == ("drpo", 12.5, math.inf)
     nt = PolicyLossConfig.preset("is-pg")          # the stability benchmark's no-trust-region row
     assert nt.name == "is-pg"
-    assert len(PRESETS) == 11
+    assert len(PRESETS) == 12
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -14,7 +14,8 @@ import pathlib
 import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-SKIP = {".venv", ".git", ".cache", "runs", "node_modules", "_drafts", ".venv-vllm"}
+SKIP = {".venv", ".git", ".cache", "runs", "node_modules", "_drafts", ".venv-vllm",
+        ".venv-trl"}  # the benchmark-only TRL environment (scripts/setup_trl_cpu.sh)
 CITE = re.compile(r"(cpu-megatron\.md\s*)?§\s?(\d+(?:\.\d+)*)")
 
 

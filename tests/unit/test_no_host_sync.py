@@ -9,7 +9,7 @@ read device data; host conversions that do not dispatch on CPU tensors (`.numpy(
 
 Checked: `token_stats(validate=False)` forward and backward (fp32 and bf16, default and in-place,
 a single device and a simulated TP group of 2) and `policy_loss(check_inputs=False)` for every
-preset and aggregation. The control test shows that the detector sees the syncs of the checked
+preset and aggregation, with and without the off-policy corrections. The control test shows that the detector sees the syncs of the checked
 paths (validate=True, check_inputs=True), so the test can fail.
 """
 
@@ -135,13 +135,21 @@ def test_token_stats_without_validation_has_no_sync(dtype, inplace, tp, request)
     assert syncs == [], syncs
 
 
+# the docs/math.md §10 corrections, all at once (sequence IS weight, token MIS, OPSM) and the
+# sequence MIS: their segment sums must not synchronise either
+_CORRECTIONS = [{}, dict(is_level="sequence", is_mask="token", is_mask_high=3.0, seq_mask_kl=0.1),
+                dict(is_mask="sequence", seq_ratio="product", is_mask_high=4.0)]
+
+
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-sum"])
-def test_policy_loss_without_checks_has_no_sync(preset, aggregation):
+@pytest.mark.parametrize("corrections", range(len(_CORRECTIONS)))
+def test_policy_loss_without_checks_has_no_sync(preset, aggregation, corrections):
     case = make_case(1, 10, 80, 4)
     logits = case["logits"].clone().requires_grad_()
     stats = pdm.token_stats(logits, *op_args(case), validate=False, tp_group=None, vocab_size=None)
-    cfg = pdm.PolicyLossConfig.preset(preset, aggregation=aggregation)
+    cfg = pdm.PolicyLossConfig.preset(preset, aggregation=aggregation,
+                                      **_CORRECTIONS[corrections])
     adv = torch.linspace(-1.0, 1.0, 10)
     lm = torch.ones(10, dtype=torch.bool)
     lm[3] = False

@@ -1,8 +1,10 @@
 """Packaging: supported ranges in setup.py, one exact tested point in constraints/ci.txt.
 
-The ranges must contain both the CI pins and megatron-core 0.19.2 (the newest release, checked on
-Python 3.12 by scripts/check_mcore_latest.sh); transformers is a runtime dependency (conversion,
-verification and the jsonl task import it); every pinned package satisfies its range.
+The core install needs only torch, numpy and pyyaml; megatron-core, transformers and the rest are
+extras ([megatron], [engines], [plots], [all] = their union, which `make venv` installs). The
+ranges must contain both the CI pins and megatron-core 0.19.2 (the newest release, checked on
+Python 3.12 by scripts/check_mcore_latest.sh); every pinned package satisfies its range, and
+everything `make venv` installs has a pin.
 """
 
 from __future__ import annotations
@@ -16,13 +18,37 @@ from packaging.version import Version
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-def _install_requires() -> dict[str, Requirement]:
+def _setup_values() -> dict:
     tree = ast.parse((ROOT / "setup.py").read_text())
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and node.targets[0].id == "INSTALL_REQUIRES":
-            reqs = [Requirement(r) for r in ast.literal_eval(node.value)]
-            return {r.name.lower(): r for r in reqs}
-    raise AssertionError("INSTALL_REQUIRES not found")
+    return {n.targets[0].id: ast.literal_eval(n.value) for n in tree.body
+            if isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name)}
+
+
+def _reqs(lines: list[str]) -> dict[str, Requirement]:
+    return {r.name.lower(): r for r in map(Requirement, lines)}
+
+
+def _core() -> dict[str, Requirement]:
+    return _reqs(_setup_values()["INSTALL_REQUIRES"])
+
+
+def _install_requires() -> dict[str, Requirement]:
+    """The core plus everything `make venv` installs ([test,all])."""
+    extras = _setup_values()["EXTRAS"]
+    return {**_core(), **_reqs(extras["all"]), **_reqs(extras["test"])}
+
+
+def test_the_core_install_is_torch_numpy_pyyaml_and_the_rest_are_extras():
+    assert set(_core()) == {"torch", "numpy", "pyyaml"}
+    extras = _setup_values()["EXTRAS"]
+    union = {**_reqs(extras["megatron"]), **_reqs(extras["engines"]), **_reqs(extras["plots"])}
+    assert {k: str(v) for k, v in _reqs(extras["all"]).items()} == \
+        {k: str(v) for k, v in union.items()}
+    assert "megatron-core" in _reqs(extras["megatron"]) and "aiohttp" in _reqs(extras["engines"])
+    for name in ("bench", "real-model", "gpu", "wandb", "test"):
+        assert extras[name], name
+    make = (ROOT / "Makefile").read_text()
+    assert '-e ".[test,all]"' in make and '-e ".[real-model]"' in make
 
 
 def _pins() -> dict[str, Version]:
@@ -48,6 +74,8 @@ def test_ci_pins_satisfy_the_ranges():
     reqs, pins = _install_requires(), _pins()
     for name in ("torch", "megatron-core", "transformers", "numpy"):
         assert name in pins, name
+    unpinned = sorted(n for n in reqs if n.replace("_", "-") not in pins)
+    assert not unpinned, f"make venv installs these without a pin in constraints/ci.txt: {unpinned}"
     for name, req in reqs.items():
         key = name.replace("_", "-")
         if key in pins:

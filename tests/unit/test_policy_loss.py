@@ -157,7 +157,8 @@ def test_aggregations_and_metrics():
     norm_cfg = base.with_overrides(["aggregation=seq-mean-token-sum-norm", "loss_horizon=8"])
     out3 = pdm.policy_loss(st, adv, blp, lm, norm_cfg, seq_ids=seq)
     assert abs(out3[0].item() - loss / 8) < 1e-9 and out3[1].item() == 2
-    assert set(M.ALL_KEYS) - set(out.metrics) == {M.DRPO_WEIGHT_MEAN}
+    assert set(M.ALL_KEYS) - set(out.metrics) == {M.DRPO_WEIGHT_MEAN, M.IS_WEIGHT_MEAN,
+                                                 M.OFFPOLICY_MASKED_FRAC}
     assert all(not v.requires_grad and v.shape == (2,) for v in out.metrics.values())
     with pytest.raises(ValueError, match="needs seq_ids"):
         pdm.policy_loss(st, adv, blp, lm, seq_cfg)

@@ -1,0 +1,182 @@
+"""`megatron-pdm-simulate`: one RL optimizer step of a recipe per simulated rank, on fake tensors.
+
+Usage (the driver's own arguments, e.g. what a cluster script passes to it):
+
+    megatron-pdm-simulate --world 8 --output-dir results/simulate/run \\
+        $(bash examples/qwen3_30b_a3b/train_pdm.sh --print-args)
+
+For each `--ranks` entry it builds the trainer's model, DDP wrapper and optimizer at the
+recipe's real shapes on fake tensors (megatron_pdm/train/simulate.py, mcore/fake_sim.py), runs
+one optimizer step on a synthetic micro-batch of the recipe's size (`--dry-run`'s micro-batch
+rule) and writes `simulate.json` and `simulate.md` to `--output-dir`: per rank the bytes of
+parameters, gradient buffers, optimizer state and the activation peak beside `--dry-run`'s
+estimate (megatron_pdm.layout, local layer spec: the one simulated), the parameter and loss-input
+shape checks and the stand-ins used. Exit code 1 when a shape check fails. docs/simulate.md says
+what this proves and what it cannot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import sys
+import time
+
+from megatron_pdm import layout
+from megatron_pdm.train import dry_run
+from megatron_pdm.train import simulate as sim
+from megatron_pdm.train.config import RunConfig
+
+GIB = 2**30
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megatron-pdm-simulate", description=__doc__.split("\n")[0])
+    p.add_argument("--config", required=True, help="the run's yaml (as for megatron-pdm-train)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override (as for megatron-pdm-train), repeatable")
+    p.add_argument("--world", type=int, required=True, help="simulated world size (GPUs)")
+    p.add_argument("--ranks", default="0", help="comma-separated simulated ranks (default 0)")
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="fewer layers than the model's (a reduced run; default: the model's)")
+    p.add_argument("--num-experts", type=int, default=None,
+                   help="fewer experts than the model's (a reduced run; default: the model's)")
+    p.add_argument("--seq-length", type=int, default=None,
+                   help="tokens per sample (default rollout.max_sequence_length)")
+    p.add_argument("--micro-batch", type=int, default=None,
+                   help="samples per micro-batch (default: --dry-run's rule for this world)")
+    p.add_argument("--microbatches", type=int, default=1,
+                   help="micro-batches in the simulated step (default 1; with PP 1 the peak "
+                        "does not grow with more)")
+    p.add_argument("--output-dir", default=None, help="write simulate.json / simulate.md here")
+    return p
+
+
+def dry_run_estimate(cfg: RunConfig, arch, lay, *, micro: int, seq: int) -> dict:
+    """`--dry-run`'s per-GPU estimate (bytes) with the simulated (local) layer spec."""
+    est = layout.estimate_memory(
+        arch, lay, micro_batch_size=micro, seq_length=seq,
+        params_dtype=cfg.precision.params_dtype, fp8=cfg.precision.fp8 is not None,
+        distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        recompute=cfg.train.recompute, num_microbatches=cfg.train.microbatches_per_minibatch,
+        attention="local", fused_head_chunk=dry_run._fused_head_chunk(cfg))
+    return {"weights": est.weights, "grads": est.grads, "optimizer": est.optimizer,
+            "activations": est.activations, "logits": est.logits,
+            "attention_scores": est.attention_scores, "total": est.total,
+            "params": est.dense_params + est.expert_params}
+
+
+def compare(rank_report: dict, est: dict) -> list[dict]:
+    """Rows simulated vs estimated (bytes), with the relative difference."""
+    b = rank_report["bytes"]
+    act_est = est["activations"] + est["logits"] + est["attention_scores"]
+    rows = [("parameters", b["parameters"], est["weights"]),
+            ("gradients", b["gradients"], est["grads"]),
+            ("optimizer state", b["optimizer_main_params"] + b["optimizer_adam_state"],
+             est["optimizer"]),
+            ("activations + logits (peak)", b["activations_peak"], act_est)]
+    total = sum(r[1] for r in rows)
+    rows.append(("total", total, est["total"]))
+    return [{"category": c, "simulated": s, "dry_run": e,
+             "diff": (s - e) / e if e else None} for c, s, e in rows]
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _markdown(result: dict) -> str:
+    lines = [f"# Simulated step: {result['recipe']}", "",
+             f"Command: `{result['command']}`", "",
+             f"Machine: {result['machine']}; wall time {result['wall_s']} s (fake tensors; "
+             "timings under load from other jobs).", "",
+             f"Layout: world {result['world']}, TP {result['tp']}, EP {result['ep']}, "
+             f"PP {result['pp']}, DP {result['dp']}; micro-batch {result['micro_batch']} x "
+             f"{result['seq_length']} tokens, top-K {result['top_k']}, {result['num_layers']} "
+             f"layers, {result['num_experts']} experts, vocabulary {result['vocab_size']} "
+             f"padded to {result['padded_vocab']} ({result['vocab_shard']} per TP rank).", ""]
+    for r in result["ranks"]:
+        lines += [f"## Rank {r['rank']} (tp {r['ranks']['tp']}, ep {r['ranks']['ep']}, "
+                  f"pp {r['ranks']['pp']}, dp {r['ranks']['dp']})", "",
+                  "| category | simulated GiB | dry-run GiB | difference |",
+                  "|---|---:|---:|---:|"]
+        for row in r["compare"]:
+            diff = "" if row["diff"] is None else f"{100 * row['diff']:+.1f}%"
+            lines.append(f"| {row['category']} | {row['simulated'] / GIB:.2f} | "
+                         f"{row['dry_run'] / GIB:.2f} | {diff} |")
+        b = r["bytes"]
+        lines += ["", f"- parameters: {r['num_params']:,} local ({r['dry_run_params']:,} "
+                  "by the dry-run's count); shape problems: "
+                  f"{len(r['param_shape_problems']) + len(r['loss_input_problems'])}",
+                  f"- loss op input {r['loss_inputs'].get('output_tensor')} "
+                  f"{r['loss_inputs'].get('output_dtype', '')}; loss forward peak "
+                  f"{b['loss_forward_peak'] / GIB:.3f} GiB; peak of the whole step above the "
+                  f"static bytes (the optimizer step included) {b['optimizer_step_peak'] / GIB:.2f} GiB",
+                  f"- largest live tensors at the activation peak: " + ", ".join(
+                      f"{t['op']} {t['bytes'] / GIB:.2f} GiB" for t in r["activations_peak_top"][:4]),
+                  f"- stand-ins: {r['stand_ins']['scalar_reads']} host scalar reads answered by a "
+                  f"placeholder, {r['stand_ins']['cuda_factories_on_cpu']} device='cuda' "
+                  "factories made on CPU", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    cfg = RunConfig.load(args.config, args.set)
+    p = cfg.parallel
+    arch = sim.with_layers(cfg.model, args.num_layers, args.num_experts)
+    arch.require_vocab()
+    lay = layout.validate_layout(arch, world_size=args.world, tp=p.tp, pp=p.pp, ep=p.ep, etp=1)
+    micro = args.micro_batch or dry_run.micro_batch_size(cfg, lay.dp)
+    seq = args.seq_length or cfg.rollout.max_sequence_length
+    if not seq:
+        raise SystemExit("simulate: set rollout.max_sequence_length or --seq-length")
+    est = dry_run_estimate(cfg, arch, lay, micro=micro, seq=seq)
+    t0 = time.time()
+    ranks, failed = [], False
+    for rank in [int(r) for r in args.ranks.split(",")]:
+        r = sim.simulate_rank(cfg, arch, rank=rank, world=args.world, micro_batch=micro,
+                              seq_length=seq, microbatches=args.microbatches)
+        r["loss_input_problems"] = sim.check_loss_inputs(
+            r, arch, tp=p.tp, micro_batch=micro, seq_length=seq, fused_head=cfg.train.fused_head)
+        r["dry_run_params"] = est["params"]
+        r["compare"] = compare(r, est)
+        failed |= bool(r["param_shape_problems"] or r["loss_input_problems"])
+        ranks.append(r)
+        print(f"rank {rank}: " + ", ".join(f"{row['category']} {row['simulated'] / GIB:.2f} GiB "
+                                           f"(dry-run {row['dry_run'] / GIB:.2f})"
+                                           for row in r["compare"]), flush=True)
+        for problem in r["param_shape_problems"] + r["loss_input_problems"]:
+            print(f"rank {rank}: SHAPE {problem}", flush=True)
+    result = {"recipe": args.config, "command": "megatron-pdm-simulate " + " ".join(
+                  sys.argv[1:] if argv is None else argv),
+              "machine": f"{_cpu_model()}, {os.cpu_count()} cores, "
+                         f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}",
+              "wall_s": round(time.time() - t0, 1), "world": args.world, "tp": p.tp, "ep": p.ep,
+              "pp": p.pp, "dp": lay.dp, "micro_batch": micro, "seq_length": seq,
+              "microbatches": args.microbatches, "top_k": cfg.rollout.top_logprobs,
+              "num_layers": arch.num_layers, "num_experts": arch.num_experts,
+              "vocab_size": arch.vocab_size, "padded_vocab": lay.padded_vocab_size,
+              "vocab_shard": lay.padded_vocab_size // p.tp, "dry_run": est, "ranks": ranks}
+    if args.output_dir:
+        os.makedirs(args.output_dir, exist_ok=True)
+        with open(os.path.join(args.output_dir, "simulate.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        with open(os.path.join(args.output_dir, "simulate.md"), "w") as f:
+            f.write(_markdown(result))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""benchmarks/trl_compare.py: the shared settings of the TRL comparison, their mapping onto TRL's
+GRPOConfig, and the ratio table (pure logic; the TRL check skips cleanly without TRL)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("trl_compare", ROOT / "benchmarks" / "trl_compare.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["trl_compare"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+tc = _load()
+
+
+def _cfg(**train):
+    t = {"iterations": 3, "lr": 5e-6, "clip_grad": 1.0, "adam_beta1": 0.9, "adam_beta2": 0.99,
+         "weight_decay": 0.0, "microbatches_per_minibatch": 4, "minibatches_per_iteration": 1,
+         "epochs_per_batch": 1, "eval_prompts": 64, "lr_warmup_steps": 0, **train}
+    return {"seed": 1234, "train": t, "task": {"max_operand": 20, "heldout_fraction": 0.2},
+            "rollout": {"prompts_per_iteration": 4, "group_size": 8, "max_new_tokens": 48,
+                        "temperature": 0.7}}
+
+
+def test_shared_settings_and_the_grpo_mapping():
+    shared = tc.shared_settings(_cfg())
+    assert set(shared) == set(tc.SHARED_KEYS)
+    kw = tc.grpo_config_kwargs(shared, output_dir="/x")
+    # one optimizer step per generation batch of prompts x group samples, in the same micro-batches
+    assert kw["per_device_train_batch_size"] * kw["gradient_accumulation_steps"] == 32
+    assert kw["gradient_accumulation_steps"] == kw["steps_per_generation"] == 4
+    assert kw["num_generations"] == 8 and kw["num_iterations"] == 1 and kw["max_steps"] == 3
+    assert kw["max_completion_length"] == 48 and kw["temperature"] == 0.7
+    assert kw["learning_rate"] == 5e-6 and kw["adam_beta2"] == 0.99 and kw["max_grad_norm"] == 1.0
+    assert kw["scale_rewards"] == "none" and kw["loss_type"] == "dapo" and kw["beta"] == 0.0
+    assert kw["shuffle_dataset"] is False and kw["gradient_checkpointing"] is False
+
+
+@pytest.mark.parametrize("bad", [{"minibatches_per_iteration": 2}, {"epochs_per_batch": 2},
+                                 {"lr_warmup_steps": 3}])
+def test_settings_the_comparison_cannot_map_are_refused(bad):
+    with pytest.raises(ValueError):
+        tc.shared_settings(_cfg(**bad))
+
+
+def test_uneven_micro_batches_are_refused():
+    with pytest.raises(ValueError, match="divide"):
+        tc.grpo_config_kwargs(tc.shared_settings(_cfg(microbatches_per_minibatch=3)), output_dir="/x")
+
+
+def test_ratio_rows_and_table():
+    trl = tc.run_summary("trl", [10.0, 30.0, 20.0], [100, 100, 100], (8, 64), (10, 64))
+    ours = tc.run_summary("ours", [5.0, 5.0, 10.0], [100, 100, 100], (9, 64), (12, 64))
+    assert trl["s_per_iter_median"] == 20.0 and trl["tokens_per_s"] == pytest.approx(5.0)
+    rows = {r["name"]: r for r in tc.ratio_rows([trl, ours], "trl")}
+    assert rows["trl"]["speedup_vs_trl"] == 1.0
+    assert rows["ours"]["speedup_vs_trl"] == pytest.approx(4.0)
+    assert rows["ours"]["tokens_per_s_ratio"] == pytest.approx(3.0)  # 15 against 5 tokens / s
+    assert rows["ours"]["acc_after_diff"] == pytest.approx(2 / 64)
+    md = tc.markdown_table(list(rows.values()), "trl")
+    assert "| ours | 5.0 | 4.00x |" in md and md.count("\n") == 3
+    with pytest.raises(ValueError, match="baseline"):
+        tc.ratio_rows([ours], "trl")
+    with pytest.raises(ValueError, match="one response-token count"):
+        tc.run_summary("x", [1.0], [], (0, 1), (0, 1))
+    assert math.isnan(tc.ratio_rows([tc.run_summary("z", [1.0], [0], (0, 0), (0, 0))], "z")[0]
+                      ["acc_after"])
+
+
+def test_the_mapping_is_a_valid_grpo_config():
+    """Against the installed TRL (benchmark extra `bench-trl`): skipped without it."""
+    trl = pytest.importorskip("trl")
+    cfg = trl.GRPOConfig(**tc.grpo_config_kwargs(tc.shared_settings(_cfg()), output_dir="/tmp/x"))
+    assert cfg.generation_batch_size == 32 and cfg.top_k == 0 and cfg.scale_rewards == "none"
