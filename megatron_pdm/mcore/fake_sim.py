@@ -244,6 +244,10 @@ def fake_world(*, rank: int, world: int, tp: int, ep: int, pp: int) -> Iterator[
     apply_cpu_shim()
     if dist.is_initialized():
         raise RuntimeError("simulation: torch.distributed is already initialised in this process")
+    # megatron's parallel-state globals can outlive their process group (a caller that destroyed
+    # the group but not megatron's state, e.g. an earlier test in this process): with no group
+    # alive they are dead handles, and initialize_model_parallel would refuse them
+    ps.destroy_model_parallel()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         # gloo side groups cannot be created on a fake store (ProcessGroupGloo internal assert).

@@ -44,7 +44,12 @@ def _simulate(tmp_path, ranks: str, *extra: str) -> dict:
 
 
 @pytest.mark.parametrize("fused_head,ranks", [(False, "0"), (True, "3")])
-def test_simulated_step_shapes_and_static_memory(tmp_path, fused_head, ranks):
+def test_simulated_step_shapes_and_static_memory(tmp_path, monkeypatch, fused_head, ranks):
+    from megatron.core import parallel_state as ps
+
+    # a stale megatron parallel state left by an earlier user of this process (its process
+    # group already destroyed) must not stop the simulation
+    monkeypatch.setattr(ps, "_DATA_PARALLEL_GROUP", object())
     result = _simulate(tmp_path, ranks, "--set", f"train.fused_head={str(fused_head).lower()}")
     assert result["vocab_shard"] == 76032 and result["dp"] == 2
     arch = ModelArch.qwen3_30b_a3b()
