@@ -43,13 +43,9 @@ MCORE_DIR = ".cache/real-model/smollm2-135m-instruct-mcore"
 
 
 def _machine() -> dict:
-    cpu = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+    from megatron_pdm.hostinfo import cpu_model
+
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
             "load_avg_at_end": os.getloadavg(), "unix_s": time.time()}
 
 

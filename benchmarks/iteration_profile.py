@@ -72,8 +72,9 @@ def main(argv=None) -> None:
         with open(os.path.join(d, "summary.json")) as f:
             s = json.load(f)
         facts[d] = {k: s.get(k) for k in ("preset", "seed", "torch_threads", "wall_s")}
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
-                if ln.startswith("model name")), "")
+    from megatron_pdm.hostinfo import cpu_model
+
+    cpu = cpu_model()
     os.makedirs(a.out_dir, exist_ok=True)
     with open(os.path.join(a.out_dir, "profile.json"), "w") as f:
         json.dump({"runs": res, "facts": facts, "cpu": cpu, "cores": os.cpu_count(),

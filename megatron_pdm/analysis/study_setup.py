@@ -19,6 +19,7 @@ from megatron_pdm.analysis.controls import build_controls
 from megatron_pdm.analysis.criteria import DEFAULT_CRITERIA, build_criteria
 from megatron_pdm.analysis.inference import DEFAULT_PRIMARY, parse_primary
 from megatron_pdm.configtree import ConfigError, apply_override, check_fields
+from megatron_pdm.hostinfo import cpu_model
 from megatron_pdm.mcore import checkpoint as ckpt
 from megatron_pdm.mcore.device import current_device
 from megatron_pdm.mcore import optimizer as mopt
@@ -209,14 +210,7 @@ def gather_setup(a, cfg, path, ckpt_iteration, trainer, j) -> dict:
 
 def machine() -> dict:
     """What the numbers depend on besides the seeds: CPU model, cores, threads."""
-    model = None
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f
-                          if line.startswith("model name")), None)
-    except OSError:
-        pass
-    return {"cpu_model": model or platform.processor() or platform.machine(),
+    return {"cpu_model": cpu_model(),
             "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
             "torch_version": torch.__version__, "python": platform.python_version()}

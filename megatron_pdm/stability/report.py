@@ -5,23 +5,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
 from statistics import fmean, stdev
 
+from megatron_pdm.hostinfo import cpu_model
 from megatron_pdm.stability import summary as S
 
 SCHEMA = 1
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _fmt(v: float, digits: int = 3) -> str:
@@ -54,7 +43,7 @@ def write(out: str, records: list[dict], *, command: str, grid: dict, baseline: 
                             resamples=resamples)
     result = {"schema": SCHEMA, "command": command, "grid": grid, "baseline": baseline,
               "outcomes": list(outcomes), "primary": primary,
-              "machine": {"cpu": _cpu_model(), "threads": os.environ.get("OMP_NUM_THREADS"),
+              "machine": {"cpu": cpu_model(), "threads": os.environ.get("OMP_NUM_THREADS"),
                           "cpus": os.cpu_count()},
               "collapse_rule": {"acc_drop": S.ACC_DROP, "reward_fraction": S.REWARD_FRACTION,
                                 "window": S.WINDOW},

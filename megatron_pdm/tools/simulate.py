@@ -21,11 +21,11 @@ import argparse
 import json
 import logging
 import os
-import platform
 import sys
 import time
 
 from megatron_pdm import layout
+from megatron_pdm.hostinfo import cpu_model
 from megatron_pdm.train import dry_run
 from megatron_pdm.train import simulate as sim
 from megatron_pdm.train.config import RunConfig
@@ -82,17 +82,6 @@ def compare(rank_report: dict, est: dict) -> list[dict]:
     rows.append(("total", total, est["total"]))
     return [{"category": c, "simulated": s, "dry_run": e,
              "diff": (s - e) / e if e else None} for c, s, e in rows]
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _markdown(result: dict) -> str:
@@ -161,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rank {rank}: SHAPE {problem}", flush=True)
     result = {"recipe": args.config, "command": "megatron-pdm-simulate " + " ".join(
                   sys.argv[1:] if argv is None else argv),
-              "machine": f"{_cpu_model()}, {os.cpu_count()} cores, "
+              "machine": f"{cpu_model()}, {os.cpu_count()} cores, "
                          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}",
               "wall_s": round(time.time() - t0, 1), "world": args.world, "tp": p.tp, "ep": p.ep,
               "pp": p.pp, "dp": lay.dp, "micro_batch": micro, "seq_length": seq,

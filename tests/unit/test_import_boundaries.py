@@ -30,7 +30,7 @@ PAGED_STASH = "megatron.core.transformer.moe.ops.paged_stash"  # megatron_pdm/tr
 
 # unit -> units it may import (besides itself). "face" is megatron_pdm/__init__.
 PURE = {"configtree", "configfile", "fsutil", "arch", "layout", "config", "cli", "triton_stub",
-        "netutil", "significance", "intmath"}
+        "netutil", "significance", "intmath", "hostinfo"}
 ALLOWED = {
     "face": {"ops", "parallel", "loss", "config", "triton_stub", "metrics", "own_loop"},
     "triton_stub": set(),
@@ -45,6 +45,7 @@ ALLOWED = {
     "netutil": set(),
     "significance": set(),
     "intmath": set(),
+    "hostinfo": set(),
     "ops": set(),
     "parallel": {"ops"},
     "loss": {"ops", "config", "configtree", "metrics"},
@@ -56,7 +57,7 @@ ALLOWED = {
               "triton_stub"},
     "convert": {"arch", "configtree", "layout", "mcore", "ops", "netutil"},
     "analysis": {"ops", "parallel", "loss", "config", "configtree", "metrics", "arch", "mcore",
-                 "rollout_bridge", "rb.core", "train", "cli", "significance"},
+                 "rollout_bridge", "rb.core", "train", "cli", "significance", "hostinfo"},
     "train": {"ops", "parallel", "loss", "config", "configtree", "configfile", "metrics", "arch",
               "layout", "mcore", "convert", "cli", "netutil", "rollout_bridge", "rb.core", "rb.sglang",
               "rb.vllm", "rb.local", "significance", "intmath"},
@@ -67,10 +68,10 @@ ALLOWED = {
     "rb.sglang": {"rb.core", "ops"},
     "rb.vllm": {"rb.core", "ops"},
     "rb.local": {"rb.core", "ops"},
-    "stability": {"train", "metrics", "significance", "cli", "configtree"},
+    "stability": {"train", "metrics", "significance", "cli", "configtree", "hostinfo"},
     "tools": {"stability", "ops", "parallel", "loss", "config", "configtree", "fsutil", "metrics", "arch",
               "layout", "mcore", "convert", "cli", "rollout_bridge", "rb.core", "rb.sglang",
-              "rb.vllm", "rb.local", "train", "analysis", "significance", "intmath"},
+              "rb.vllm", "rb.local", "train", "analysis", "significance", "intmath", "hostinfo"},
 }
 
 
