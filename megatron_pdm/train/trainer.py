@@ -303,12 +303,18 @@ class Trainer:
                     M.PAD_FRAC: pad_frac, M.TIME_WEIGHT_SYNC: 0.0, M.TIME_ITERATION: 0.0,
                     M.TIME_UNIX: time.time()}
         self.iteration += 1
-        self._collect_next()  # overlap: the server must be idle before the push
-        t2 = time.time()
-        self.sync_weights()
-        last[M.TIME_WEIGHT_SYNC] = time.time() - t2
-        last[M.TIME_ITERATION] = time.time() - t0
-        writer.write(last)
+        # The last row waits for the push's time; a push (or overlapped rollout) that fails still
+        # writes it, with the two times unknown (null): its optimizer step happened, and a log
+        # missing it would read as a partly trained batch.
+        last[M.TIME_WEIGHT_SYNC] = last[M.TIME_ITERATION] = float("nan")
+        try:
+            self._collect_next()  # overlap: the server must be idle before the push
+            t2 = time.time()
+            self.sync_weights()
+            last[M.TIME_WEIGHT_SYNC] = time.time() - t2
+            last[M.TIME_ITERATION] = time.time() - t0
+        finally:
+            writer.write(last)
         return last
 
     # ------------------------------------------------------------------ state
