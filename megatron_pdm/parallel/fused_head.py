@@ -45,16 +45,9 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from megatron_pdm.ops.stats import (
-    LogSums,
-    TokenStats,
-    assemble_token_stats,
-    exp_shift,
-    is_sampled_slot,
-    log_sums,
-)
-from megatron_pdm.ops.validation import check_token_args, check_vocab_size, validate_token_inputs
-from megatron_pdm.parallel.collectives import all_reduce, check_reduced_rows, group_rank_world
+from megatron_pdm.ops.stats import TokenStats, exp_shift, is_sampled_slot, log_sums
+from megatron_pdm.parallel.collectives import all_reduce
+from megatron_pdm.parallel.contract import close_call, open_call
 from megatron_pdm.parallel.shard_math import (
     GradRows,
     MaskedColumns,
@@ -66,7 +59,7 @@ from megatron_pdm.parallel.shard_math import (
     shard_tail_sums,
     work_dtype,
 )
-from megatron_pdm.parallel.shards import ShardInfo, shard_info
+from megatron_pdm.parallel.shards import ShardInfo
 
 __all__ = ["DEFAULT_TOKEN_CHUNK", "DEFAULT_VOCAB_CHUNK", "fused_token_stats"]
 
@@ -252,37 +245,16 @@ def fused_token_stats(
     for name, val in (("token_chunk", token_chunk), ("vocab_chunk", vocab_chunk)):
         if isinstance(val, bool) or not isinstance(val, int) or val < 1:
             raise ValueError(f"{name} must be an int >= 1, got {val!r}")
-    rank, world = group_rank_world(tp_group)
-    check_vocab_size(vocab_size)
-    v_local = weight_vh.shape[0]
-    if vocab_size is None:
-        if world > 1:
-            raise ValueError(f"vocab_size=None on a vocab shard (tp_group of {world} ranks): "
-                             "pass the engine's vocabulary size")
-        vocab_size = v_local
-    vocab_size = int(vocab_size)
-    # The logits' shape and dtype, with no data: the argument checks read nothing else.
-    logits_meta = torch.empty((hidden_nh.shape[0], v_local), dtype=hidden_nh.dtype, device="meta")
-    args = (logits_meta, sampled_ids, support_ids, support_logprobs, support_valid)
-    if validate:
-        validate_token_inputs(*args, vocab_size=vocab_size, tp_size=world,
-                              temperature=temperature)
-    else:
-        check_token_args(*args, vocab_size=vocab_size, tp_size=world, temperature=temperature)
-    shard = shard_info(rank, world, v_local, vocab_size)
+    # The logits' shape and dtype, with no data: the contract's checks read nothing else.
+    logits_meta = torch.empty((hidden_nh.shape[0], weight_vh.shape[0]), dtype=hidden_nh.dtype,
+                              device="meta")
+    vocab_size, shard = open_call(logits_meta, sampled_ids, support_ids, support_logprobs,
+                                  support_valid, tp_group=tp_group, vocab_size=vocab_size,
+                                  temperature=temperature, validate=validate)
     logprob_N, tail_max_N, packed_NP, is_k_NS, *sums = _FusedHeadTokenStats.apply(
         hidden_nh, weight_vh, sampled_ids, support_ids, support_valid, tp_group, shard,
         float(temperature), int(token_chunk), int(vocab_chunk),
     )
-    stats = assemble_token_stats(
-        logprob_N,
-        LogSums(*sums),
-        support_logprobs_NS=support_logprobs,
-        support_valid_NS=support_valid,
-        support_ids_NS=support_ids,
-        is_sampled_NS=is_k_NS,
-        vocab_size=vocab_size,
-    )
-    if validate and logprob_N.numel():
-        check_reduced_rows(stats, tail_max_N, packed_NP)
-    return stats
+    return close_call(logprob_N, sums, tail_max_N, packed_NP, is_k_NS,
+                      support_ids_NS=support_ids, support_logprobs_NS=support_logprobs,
+                      support_valid_NS=support_valid, vocab_size=vocab_size, validate=validate)

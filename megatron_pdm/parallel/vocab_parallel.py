@@ -66,16 +66,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_pdm.ops.stats import (
-    LogSums,
-    TokenStats,
-    assemble_token_stats,
-    exp_shift,
-    is_sampled_slot,
-    log_sums,
-)
-from megatron_pdm.ops.validation import check_token_args, check_vocab_size, validate_token_inputs
-from megatron_pdm.parallel.collectives import all_reduce, check_reduced_rows, group_rank_world
+from megatron_pdm.ops.stats import TokenStats, exp_shift, is_sampled_slot, log_sums
+from megatron_pdm.parallel.collectives import all_reduce
+from megatron_pdm.parallel.contract import close_call, open_call
 from megatron_pdm.parallel.shard_math import (
     DEFAULT_CHUNK_ELEMS,
     GradRows,
@@ -89,7 +82,6 @@ from megatron_pdm.parallel.shard_math import (
     shard_tail_sums,
     work_dtype,
 )
-from megatron_pdm.parallel.shards import shard_info
 
 __all__ = ["token_stats"]
 
@@ -226,35 +218,13 @@ def token_stats(
             or bad support entries (row and slot named),
             and (validate) on rows with NaN / +inf logits or no finite logit (row named).
     """
-    rank, world = group_rank_world(tp_group)
-    check_vocab_size(vocab_size)
-    if vocab_size is None:
-        if world > 1:
-            raise ValueError(f"vocab_size=None on a vocab shard (tp_group of {world} ranks): "
-                             "pass the engine's vocabulary size (the sharded vocabulary is "
-                             "padded; None says 'no padding' and is for a single device)")
-        vocab_size = logits.shape[-1] if logits.dim() == 2 else 0
-    vocab_size = int(vocab_size)
-    args = (logits, sampled_ids, support_ids, support_logprobs, support_valid)
-    if validate:
-        validate_token_inputs(*args, vocab_size=vocab_size, tp_size=world,
-                              temperature=temperature)
-    else:
-        check_token_args(*args, vocab_size=vocab_size, tp_size=world, temperature=temperature)
-    shard = shard_info(rank, world, logits.shape[1], vocab_size)
+    vocab_size, shard = open_call(logits, sampled_ids, support_ids, support_logprobs,
+                                  support_valid, tp_group=tp_group, vocab_size=vocab_size,
+                                  temperature=temperature, validate=validate)
     logprob_N, tail_max_N, packed_NP, is_k_NS, *sums = _VocabParallelTokenStats.apply(
         logits, sampled_ids, support_ids, support_valid, tp_group, shard, float(temperature),
         int(chunk_elems), bool(inplace),
     )
-    stats = assemble_token_stats(
-        logprob_N,
-        LogSums(*sums),
-        support_logprobs_NS=support_logprobs,
-        support_valid_NS=support_valid,
-        support_ids_NS=support_ids,
-        is_sampled_NS=is_k_NS,
-        vocab_size=vocab_size,
-    )
-    if validate and logprob_N.numel():
-        check_reduced_rows(stats, tail_max_N, packed_NP)
-    return stats
+    return close_call(logprob_N, sums, tail_max_N, packed_NP, is_k_NS,
+                      support_ids_NS=support_ids, support_logprobs_NS=support_logprobs,
+                      support_valid_NS=support_valid, vocab_size=vocab_size, validate=validate)
