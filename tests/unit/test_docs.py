@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import functools
+import os
 import pathlib
 import re
 
@@ -19,12 +21,21 @@ SKIP = {".venv", ".git", ".cache", "runs", "node_modules", "_drafts", ".venv-vll
 CITE = re.compile(r"(cpu-megatron\.md\s*)?§\s?(\d+(?:\.\d+)*)")
 
 
+@functools.lru_cache(maxsize=1)
+def _file_list() -> tuple[pathlib.Path, ...]:
+    """The tree's text files, walked once; environments, caches and run outputs are pruned
+    before descending (a fresh clone's .venv-* and .cache hold hundreds of thousands of files)."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(ROOT):
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIP and not d.startswith(".venv")
+                             and not d.endswith(".egg-info"))
+        out += [pathlib.Path(dirpath, f) for f in sorted(filenames)
+                if os.path.splitext(f)[1] in (".py", ".md", ".sh", ".yaml", ".toml", ".txt")]
+    return tuple(out)
+
+
 def _files():
-    for path in ROOT.rglob("*"):
-        parts = path.relative_to(ROOT).parts
-        if path.is_file() and path.suffix in (".py", ".md", ".sh", ".yaml", ".toml", ".txt") \
-                and not SKIP & set(parts) and not any(p.endswith(".egg-info") for p in parts):
-            yield path
+    yield from _file_list()
 
 
 def _sections(doc: pathlib.Path) -> set[str]:

@@ -18,6 +18,7 @@ Two views of the same rule:
 from __future__ import annotations
 
 import ast
+import os
 import pathlib
 import re
 import subprocess
@@ -370,6 +371,9 @@ def test_rollout_bridge_units_are_the_subpackages():
 def test_no_package_named_megatron_inside_the_project():
     # A `megatron` package of ours would shadow megatron-core for code that puts its parent on
     # sys.path (pytest's rootdir insertion, spawned workers).
-    shadows = [p for p in ROOT.rglob("megatron/__init__.py") if ".venv" not in p.parts
-               and ".cache" not in p.parts]
+    shadows = []
+    for d, dirs, _ in os.walk(ROOT):  # environments and caches pruned before descending
+        dirs[:] = [x for x in dirs if x not in (".git", ".cache") and not x.startswith(".venv")]
+        if os.path.exists(os.path.join(d, "megatron", "__init__.py")):
+            shadows.append(os.path.join(d, "megatron"))
     assert not shadows, shadows
