@@ -72,7 +72,7 @@ test: $(STAMP)
 	if $(MAKE) --no-print-directory real-model > .cache/real_model.log 2>&1; then rm=1; else rm=0; \
 		tail -n 20 .cache/real_model.log; echo "make test: make real-model failed (log:" \
 		".cache/real_model.log); the real-model tests will be skipped"; fi; \
-	PDM_REQUIRE_SGLANG_API=$$req PDM_REQUIRE_REAL_MODEL=$$rm $(VPY) -m pytest -q -m "not gpu" \
+	PDM_REQUIRE_SGLANG_API=$$req PDM_REQUIRE_REAL_MODEL=$$rm $(VPY) -m pytest -q -m "not gpu" --durations=40 \
 		tests $(ARGS) || exit 1; \
 	if [ "$(MCORE_LATEST)" = 1 ]; then echo "make test: megatron-core 0.19.2 (Python 3.12):" \
 		"$(MCORE_LATEST_TESTS)"; $(MCORE_LATEST_ENV) scripts/check_mcore_latest.sh \
