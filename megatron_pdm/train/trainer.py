@@ -145,6 +145,7 @@ class Trainer:
         return means, grad_norm
 
     def _generate(self, problems: list, temperature: float, n: int):
+        """Collective: `n` samples per problem from the engine now (evaluations, warm-up probes)."""
         return self.feed.generate(problems, temperature, n)
 
     def _dp_microbatches(self, idx: torch.Tensor) -> list[torch.Tensor]:
