@@ -87,7 +87,7 @@ vllm-venv:
 # server (started for the config's model on 127.0.0.1 with a random API key, weights pushed in
 # memory every iteration, stopped at the end); output in runs/tiny_cpu_vllm.
 demo-vllm: $(STAMP) vllm-venv
-	$(VPY) -m megatron_pdm.train.vllm_server --config examples/tiny_cpu/config.yaml \
+	$(VPY) -m megatron_pdm.train.rollout.vllm_server --config examples/tiny_cpu/config.yaml \
 		$(if $(SEED),--set seed=$(SEED)) -- \
 		env OMP_NUM_THREADS=$(or $(THREADS),1) $(VENV)/bin/torchrun --nproc-per-node $(NPROC) \
 		$(TORCHRUN_PORT) -m megatron_pdm.train \
@@ -115,7 +115,7 @@ REAL_MCORE ?= .cache/real-model/smollm2-135m-instruct-mcore
 demo-real: real-model vllm-venv
 	test -f $(REAL_MCORE)/pdm_model.json || $(VPY) -m megatron_pdm.tools.convert_hf_to_megatron \
 		--hf-dir $(REAL_MODEL) --out $(REAL_MCORE) --tp 1
-	$(VPY) -m megatron_pdm.train.vllm_server --config examples/real_cpu/config.yaml \
+	$(VPY) -m megatron_pdm.train.rollout.vllm_server --config examples/real_cpu/config.yaml \
 		--set rollout.vllm.url=http://127.0.0.1:0 --model-dir $(REAL_MODEL) \
 		--max-model-len 512 --kv-cache-mb 512 -- \
 		env OMP_NUM_THREADS=$(or $(THREADS),1) $(VENV)/bin/torchrun --nproc-per-node 1 \

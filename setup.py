@@ -102,7 +102,7 @@ EXTRAS = {
 # `torchrun ... -m megatron_pdm.tools.analyze_masks`).
 CONSOLE_SCRIPTS = [
     "megatron-pdm-train = megatron_pdm.train.__main__:cli",
-    "megatron-pdm-vllm-server = megatron_pdm.train.vllm_server:cli",
+    "megatron-pdm-vllm-server = megatron_pdm.train.rollout.vllm_server.cli:cli",
     "megatron-pdm-make-tiny-hf = megatron_pdm.tools.make_tiny_hf:main",
     "megatron-pdm-convert-hf-to-megatron = megatron_pdm.tools.convert_hf_to_megatron:main",
     "megatron-pdm-convert-megatron-to-hf = megatron_pdm.tools.convert_megatron_to_hf:main",

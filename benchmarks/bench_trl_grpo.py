@@ -63,7 +63,7 @@ def driver_command(preset: str, out: str, sets: list[str], *, mcore_dir: str,
                    threads: int) -> list[str]:
     """`make demo-real`'s command (Makefile) with the preset, output dir and overrides."""
     vpy = str(ROOT / ".venv/bin/python")
-    return [vpy, "-m", "megatron_pdm.train.vllm_server", "--config", CONFIG,
+    return [vpy, "-m", "megatron_pdm.train.rollout.vllm_server", "--config", CONFIG,
             "--set", "rollout.vllm.url=http://127.0.0.1:0", "--model-dir", MODEL_DIR,
             "--max-model-len", "512", "--kv-cache-mb", "512", "--",
             "env", f"OMP_NUM_THREADS={threads}", str(ROOT / ".venv/bin/torchrun"),

@@ -1,6 +1,6 @@
 """Overlapped rollouts against a real CPU vLLM server: iterations/hour and mismatch, on vs off.
 
-What: starts one vLLM server for the tiny CPU model (megatron_pdm.train.vllm_server; or uses
+What: starts one vLLM server for the tiny CPU model (megatron_pdm.train.rollout.vllm_server; or uses
 --url), then runs the RL driver (torchrun, 2 processes, TP=2) `--reps` times with
 `rollout.overlap=false` and `=true` alternately, each for `--iterations` iterations. Per run:
 
@@ -101,7 +101,8 @@ def main() -> None:
     url = args.url
     if url is None:
         from megatron_pdm.train.config import RunConfig
-        from megatron_pdm.train.vllm_server import VLLMServer, prepare_model_dir, run_arch
+        from megatron_pdm.train.rollout.vllm_server.model_dir import prepare_model_dir, run_arch
+        from megatron_pdm.train.rollout.vllm_server.process import VLLMServer
 
         arch = run_arch(RunConfig.load(str(CONFIG), MODEL))
         key = secrets.token_hex(16)

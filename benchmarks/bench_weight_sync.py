@@ -93,7 +93,7 @@ def tiny_model() -> list[tuple[str, torch.Tensor]]:
     """The tiny CPU run's HF state dict (names and shapes of its architecture, fp32)."""
     from megatron_pdm.convert import mapping
     from megatron_pdm.train.config import RunConfig
-    from megatron_pdm.train.vllm_server import run_arch
+    from megatron_pdm.train.rollout.vllm_server.model_dir import run_arch
 
     arch = run_arch(RunConfig.load(str(ROOT / "examples" / "tiny_cpu" / "config.yaml"), []))
     gen = torch.Generator().manual_seed(0)

@@ -35,6 +35,7 @@ __all__ = [
     "ConfigError",
     "apply_override",
     "check_fields",
+    "check_positive",
     "convert",
     "from_mapping",
     "parse_override",
@@ -166,6 +167,19 @@ def check_fields(obj: Any, path: str = "") -> None:
         converted = convert(value, hints[f.name], prefix + f.name)
         if converted is not value:
             object.__setattr__(obj, f.name, converted)
+
+
+def check_positive(section: str, obj: Any, *names: str, allow_zero: bool = False,
+                   finite: bool = True) -> None:
+    """The range rule of numeric fields: each of `names` (None skipped) is > 0 (>= 0 with
+    `allow_zero`) and, unless `finite=False`, finite; a ConfigError names `section.name`."""
+    for name in names:
+        value = getattr(obj, name)
+        if value is not None and finite and not math.isfinite(value):
+            raise ConfigError(f"{section}.{name}={value!r} must be a finite number")
+        if value is not None and (value < 0 if allow_zero else value <= 0):
+            raise ConfigError(f"{section}.{name}={value!r} must be "
+                              f"{'>= 0' if allow_zero else '> 0'}")
 
 
 def from_mapping(cls, data: Any, path: str = ""):

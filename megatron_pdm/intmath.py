@@ -2,7 +2,7 @@
 
 `round_up(x, m)` is every "pad to a multiple" in the project: megatron's padded vocabulary
 (`arch.padded_vocab_size`), sequence lengths padded for sequence/context parallelism
-(`rollout_bridge/core/packing.py`, `train/warmup.py`, `train/rollout.py`,
+(`rollout_bridge/core/packing.py`, `train/warmup.py`, `train/rollout/local.py`,
 `tools/verify_conversion.py`). `ceil_div(x, m)` counts the blocks of size m that cover x (FP8
 tiles in `rollout_bridge/core/weights.py`).
 """

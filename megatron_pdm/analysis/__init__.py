@@ -28,6 +28,6 @@ Modules (one job each):
     real_logits.py    the real model's logits on sampled responses, with bf16 / one-step behaviour
     tail_fidelity.py  the tail estimators against the exact one by tail-mass bin (real_tails tool)
 
-The driver's opt-in rollout saver that feeds it lives in train/rollout_store.py (the driver
+The driver's opt-in rollout saver that feeds it lives in train/rollout/store.py (the driver
 may not import this package).
 """

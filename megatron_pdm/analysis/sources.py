@@ -27,6 +27,7 @@ from megatron_pdm.mcore import loss_adapter
 from megatron_pdm.mcore import optimizer as mopt
 from megatron_pdm.train import schedule as sched
 from megatron_pdm.train.model_setup import seq_multiple
+from megatron_pdm.train.rollout.feed import sampling_params
 from rollout_bridge.core.packing import pack_padded
 from rollout_bridge.core.types import RolloutBatch, group_advantages
 
@@ -59,10 +60,8 @@ def fresh_batch(trainer, seed: int, iteration: int, *, engine_seed: int | None =
     r, task = trainer.cfg.rollout, trainer.task
     seed_engine(trainer.rollout, seed if engine_seed is None else engine_seed)
     problems = task.problems(seed, iteration, r.prompts_per_iteration)
-    params = {"temperature": r.temperature, "max_new_tokens": task.max_new_tokens,
-              "stop_token_ids": [task.eos_id]}
-    batch = trainer.rollout.generate([task.prompt_ids(q) for q in problems], params,
-                                     r.group_size)
+    batch = trainer.rollout.generate([task.prompt_ids(q) for q in problems],
+                                     sampling_params(task, r.temperature), r.group_size)
     batch.set_rewards([task.score(problems[s.group_index], s.response_ids.tolist())
                        for s in batch.samples])
     return batch

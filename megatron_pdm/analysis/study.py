@@ -57,7 +57,7 @@ from megatron_pdm.analysis.study_setup import (
 from megatron_pdm.analysis.summary import summarize
 from megatron_pdm.configtree import ConfigError
 from megatron_pdm.mcore import optimizer as mopt
-from megatron_pdm.train import rollout_store
+from megatron_pdm.train.rollout import store as rollout_store
 from megatron_pdm.train import schedule as sched
 
 __all__ = ["StudyArgs", "resolve_config", "run_study"]

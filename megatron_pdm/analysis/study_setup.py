@@ -23,7 +23,7 @@ from megatron_pdm.hostinfo import cpu_model
 from megatron_pdm.mcore import checkpoint as ckpt
 from megatron_pdm.mcore.device import current_device
 from megatron_pdm.mcore import optimizer as mopt
-from megatron_pdm.train import rollout_store
+from megatron_pdm.train.rollout import store as rollout_store
 from megatron_pdm.train.config import RunConfig
 
 __all__ = ["StudyArgs", "gather_setup", "open_study", "resolve_config", "rollouts_dir",

@@ -39,7 +39,8 @@ SETTINGS: dict[str, list[str]] = {
     # the smoke setting: both queue-based keys at once, measurable within 2 iterations
     "smoke-stale1-epochs2": ["rollout.staleness=1", "train.epochs_per_batch=2"],
 }
-# settings whose runs need a real engine server: setting -> megatron_pdm.train.vllm_server args
+# settings whose runs need a real engine server: setting -> vLLM launcher args
+# (megatron_pdm.train.rollout.vllm_server)
 SERVER_SETTINGS: dict[str, list[str]] = {"engine-vllm-bf16": ["--dtype", "bfloat16"]}
 # the default grid needs no server (the vLLM setting is asked for by name: --settings ...)
 DEFAULT_SETTINGS = [s for s in SETTINGS if not s.startswith("smoke") and s not in SERVER_SETTINGS]
@@ -100,10 +101,10 @@ class Grid:
 
     def launcher(self, cell: Cell, config: str) -> list[str]:
         """The command prefix that starts this cell's engine server around its driver run
-        (megatron_pdm.train.vllm_server ... --), or [] when the cell needs no server."""
+        (megatron_pdm.train.rollout.vllm_server ... --), or [] when the cell needs no server."""
         if cell.setting not in SERVER_SETTINGS:
             return []
         import sys
 
-        return [sys.executable, "-m", "megatron_pdm.train.vllm_server", "--config", config,
-                "--set", f"seed={cell.seed}", *SERVER_SETTINGS[cell.setting], "--"]
+        return [sys.executable, "-m", "megatron_pdm.train.rollout.vllm_server", "--config",
+                config, "--set", f"seed={cell.seed}", *SERVER_SETTINGS[cell.setting], "--"]

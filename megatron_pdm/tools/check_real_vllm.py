@@ -4,9 +4,9 @@
         [--max-new-tokens 48] [--top-logprobs 8] [--temperatures 1.0 0.7] [--dtype float32]
         [--url URL] [--perturb 0.01] [--out report.json]
 
-1. Starts a CPU vLLM server on the HF directory (`train.vllm_server.VLLMServer`: 127.0.0.1, a
-   random API key, own process group, stopped at the end), or uses `--url` (key in
-   $PDM_VLLM_API_KEY).
+1. Starts a CPU vLLM server on the HF directory
+   (`train.rollout.vllm_server.process.VLLMServer`: 127.0.0.1, a random API key, own process
+   group, stopped at the end), or uses `--url` (key in $PDM_VLLM_API_KEY).
 2. Prompts: arithmetic word problems through the model's chat template (train/word_task.py);
    vLLM samples `--samples` responses per prompt with its top-K log-probs
    (`rollout_bridge.vllm.client.VLLMEngine`, processed log-probs = log_softmax(logits / T)).
@@ -63,6 +63,7 @@ def perturb_and_push(model, engine, scale: float, seed: int) -> dict:
 def run_check(engine, model, task, *, prompts: int, samples: int, temperatures, seed: int = 0
               ) -> list[dict]:
     from megatron_pdm.train.logprob_check import LogprobAgreement
+    from megatron_pdm.train.rollout.feed import sampling_params
     from rollout_bridge.core.packing import pack_padded
 
     problems = task.problems(seed, 0, prompts)
@@ -70,9 +71,7 @@ def run_check(engine, model, task, *, prompts: int, samples: int, temperatures, 
     out = []
     for temperature in temperatures:
         t0 = time.time()
-        batch = engine.generate(prompt_ids, {"temperature": temperature,
-                                             "max_new_tokens": task.max_new_tokens,
-                                             "stop_token_ids": [task.eos_id]}, n=samples,
+        batch = engine.generate(prompt_ids, sampling_params(task, temperature), n=samples,
                                 raise_on_failure=True)
         gen_s = time.time() - t0
         rewards = [task.score(problems[s.prompt_index], s.response_ids.tolist())
@@ -110,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoModelForCausalLM
 
-    from megatron_pdm.train.vllm_server import VLLMServer
+    from megatron_pdm.train.rollout.vllm_server.process import VLLMServer
     from megatron_pdm.train.word_task import WordProblemTask
     from rollout_bridge.vllm.client import VLLMEngine
 

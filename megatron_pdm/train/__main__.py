@@ -66,7 +66,8 @@ def unknown_args_hint(unknown: list[str]) -> str:
 
 def config_keys_help() -> str:
     """Every config key by section, read from the config dataclasses (the one schema); each
-    key's meaning is its field's docstring in megatron_pdm/train/config.py."""
+    key's meaning is its field's docstring in megatron_pdm/train/config.py (the `rollout`
+    section: megatron_pdm/train/rollout/config.py)."""
     import dataclasses
     import textwrap
     import typing
@@ -92,7 +93,8 @@ def config_keys_help() -> str:
 
     walk(RunConfig, "")
     return ("config keys (--set KEY=VALUE or the --config yaml; each one documented in "
-            "megatron_pdm/train/config.py):\n" + "\n".join(lines))
+            "megatron_pdm/train/config.py, rollout.*: megatron_pdm/train/rollout/config.py):\n"
+            + "\n".join(lines))
 
 
 def parse_args(argv=None) -> argparse.Namespace:

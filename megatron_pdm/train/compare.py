@@ -32,7 +32,7 @@ TRACKER = "latest_checkpointed_iteration.txt"
 
 
 def _torchrun(args: list[str], nproc: int, threads: int, prefix: list[str] = ()) -> None:
-    """One driver run; `prefix` wraps it (e.g. megatron_pdm.train.vllm_server ... --, which
+    """One driver run; `prefix` wraps it (e.g. megatron_pdm.train.rollout.vllm_server ... --, which
     starts the engine server, fills `{vllm_url}` into the arguments and stops it after)."""
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     cmd = [*prefix, torchrun, "--nproc-per-node", str(nproc), *LOCAL_TORCHRUN,

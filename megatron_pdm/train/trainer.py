@@ -1,9 +1,9 @@
 """The RL loop: rollouts -> rewards -> group advantages -> PDM loss in megatron -> step -> sync.
 
 One iteration:
-1. Rollout. The rollout source (rollout.py: `LocalEngine` over an engine copy of the policy on
-   every rank; sglang_rollout.py: SGLang servers driven by rank 0) samples `group_size` answers
-   for each of `prompts_per_iteration` prompts, with the tempered top-K support of every token.
+1. Rollout. The rollout source (train/rollout/: `LocalEngine` over an engine copy of the policy
+   on every rank, or SGLang / vLLM servers driven by rank 0) samples `group_size` answers for
+   each of `prompts_per_iteration` prompts, with the tempered top-K support of every token.
 2. Reward and Dr.GRPO advantages: reward minus the group mean, no std scaling.
 3. `pack_padded` gives the row-aligned batch (the t-1 -> t shift happens there once); the batch
    carries the rollout's temperature, vocabulary and validation state to the loss.
@@ -15,14 +15,10 @@ One iteration:
    a bf16/FP8 engine is exactly the train/rollout mismatch the trust regions control.
 5. Weight sync (trainer -> engine), versioned by the iteration number.
 
-Overlap (`rollout.overlap`, server engines only): right after batch i is available, the prompts
-of iteration i+1 are submitted (rank 0 generates them in a background thread against the weights
-batch i was generated with), iteration i trains meanwhile, and batch i+1 is collected before the
-weight sync (the server must be idle during a push). So from the second iteration on every batch
-is one version stale (`rollout/staleness` = 1; the loss's mu is that older policy); the first
-iteration is generated synchronously. Checkpoints are taken after that collect: they hold the
-collected, not yet trained batch (`train_state["overlap_batch"]`), so a resumed run trains on
-exactly the batch the uninterrupted run would have; no generation is ever pending at a checkpoint.
+Overlap (`rollout.overlap`, server engines only; train/rollout/feed.py): iteration i+1's batch
+is generated while iteration i trains and collected before the weight sync, so from the second
+iteration on every batch is one version stale; a checkpoint holds the collected, not yet trained
+batch (`train_state["overlap_batch"]`).
 
 Start-up (`_prepare`, once per fresh run): push the initial weights, evaluate, run the optional
 supervised warm-up (warmup.py; reported separately, never counted as RL progress), push again,
@@ -54,8 +50,6 @@ from megatron_pdm.mcore.model import build_model, transformer_config
 from megatron_pdm.mcore.parallel import current_parallel_info, init_parallel
 from megatron_pdm.train import model_setup as ms
 from megatron_pdm.train import resume as resume_rules
-from megatron_pdm.train import rollout as ro
-from megatron_pdm.train import rollout_store
 from megatron_pdm.train import warmup as wu
 from megatron_pdm.train.config import RunConfig
 from megatron_pdm.train.logging_utils import (
@@ -65,6 +59,10 @@ from megatron_pdm.train.logging_utils import (
     log_rank0,
     wandb_init_kwargs,
 )
+from megatron_pdm.train.rollout import store as rollout_store
+from megatron_pdm.train.rollout.factory import build_rollout
+from megatron_pdm.train.rollout.feed import RolloutFeed
+from megatron_pdm.train.rollout.local import latest_weights
 from megatron_pdm.train import schedule as sched
 from megatron_pdm.train.schedule import optimizer_step, reduce_step_metrics, rl_lr
 from megatron_pdm.train.task import build_task
@@ -113,18 +111,16 @@ class Trainer:
             adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2,
             use_distributed_optimizer=p.use_distributed_optimizer,
             params_dtype=cfg.precision.params_dtype)
-        self.rollout = ro.build_rollout(cfg, self.arch, self.tconfig, self.task,
-                                        lambda: self.module, meta=self.meta)
+        self.rollout = build_rollout(cfg, self.arch, self.tconfig, self.task,
+                                     lambda: self.module, meta=self.meta)
+        # the iteration's batches (rollout.overlap: one generated ahead) and the evaluations'
+        self.feed = RolloutFeed(self.rollout, self.task, cfg)
         self.iteration = 0
         self.step = 0
         self.evals: dict[str, float] = {}
         self.writer: MetricsWriter | None = None  # set by run(): TensorBoard / W&B scalars
         self.ckpt_dir = resume_rules.checkpoint_dir(cfg)
         self.run_id = resume_rules.new_run_id() if dist.get_rank() == 0 else ""
-        # rollout.overlap: the generation in flight, and the collected batch of self.iteration
-        self._pending = None
-        self._ready: tuple[list, object] | None = None
-        self._ready_wait_s = 0.0
 
     @property
     def module(self) -> torch.nn.Module:
@@ -149,48 +145,8 @@ class Trainer:
         return means, grad_norm
 
     def _generate(self, problems: list, temperature: float, n: int):
-        params = {"temperature": temperature, "max_new_tokens": self.task.max_new_tokens,
-                  "stop_token_ids": [self.task.eos_id]}
-        return self.rollout.generate([self.task.prompt_ids(q) for q in problems], params, n)
-
-    # ------------------------------------------------------------------ overlap (rollout.overlap)
-
-    def _iteration_batch(self) -> tuple[list, object]:
-        """(problems, batch) of `self.iteration`; with overlap, also submits the next one."""
-        cfg, r = self.cfg, self.cfg.rollout
-        if not r.overlap:
-            self._ready = None  # a checkpoint from an overlapped run: regenerate instead
-            self._ready_wait_s = 0.0
-            problems = self.task.problems(cfg.seed, self.iteration, r.prompts_per_iteration)
-            return problems, self._generate(problems, r.temperature, r.group_size)
-        # the time the previous iteration waited for this batch (its collect before the sync)
-        wait = self._ready_wait_s if self._ready is not None else 0.0
-        if self._ready is None:  # first iteration (or a checkpoint without a batch): no overlap
-            self._submit(self.iteration)
-            self._collect_next()
-        ready, self._ready, self._ready_wait_s = self._ready, None, wait
-        if self.iteration + 1 < cfg.train.iterations:
-            self._submit(self.iteration + 1)  # generated with the weights `ready` came from
-        return ready
-
-    def _submit(self, iteration: int) -> None:
-        r = self.cfg.rollout
-        problems = self.task.problems(self.cfg.seed, iteration, r.prompts_per_iteration)
-        params = {"temperature": r.temperature, "max_new_tokens": self.task.max_new_tokens,
-                  "stop_token_ids": [self.task.eos_id]}
-        pending = self.rollout.submit([self.task.prompt_ids(q) for q in problems], params,
-                                      r.group_size)
-        self._pending = (problems, pending)
-
-    def _collect_next(self) -> None:
-        """Collective: waits for the submitted generation (if any) and keeps its batch."""
-        if self._pending is None:
-            return
-        t0 = time.time()
-        problems, pending = self._pending
-        self._pending = None
-        self._ready = (problems, self.rollout.collect(pending))
-        self._ready_wait_s = time.time() - t0
+        """Collective: `n` samples per problem from the engine now (evaluations, warm-up probes)."""
+        return self.feed.generate(problems, temperature, n)
 
     def _dp_microbatches(self, idx: torch.Tensor) -> list[torch.Tensor]:
         """This DP rank's slice of a minibatch, split into micro-batches."""
@@ -200,7 +156,7 @@ class Trainer:
     # ------------------------------------------------------------------ phases
 
     def _greedy_accuracy(self, problems: list) -> float:
-        with ro.latest_weights(self.rollout):  # rollout.staleness: evaluate the newest policy
+        with latest_weights(self.rollout):  # rollout.staleness: evaluate the newest policy
             batch = self._generate(problems, 0.0, 1)
         return sum(self.task.score(q, s.response_ids.tolist())
                    for q, s in zip(problems, batch.samples)) / len(problems)
@@ -259,7 +215,7 @@ class Trainer:
         """Rollout, advantages, `minibatches_per_iteration` optimizer steps, weight sync."""
         cfg, r = self.cfg, self.cfg.rollout
         t0 = time.time()
-        problems, batch = self._iteration_batch()
+        problems, batch = self.feed.iteration_batch(self.iteration)
         rewards = [self.task.score(problems[s.group_index], s.response_ids.tolist())
                    for s in batch.samples]
         batch.set_rewards(rewards)
@@ -275,7 +231,7 @@ class Trainer:
         version = (float(batch.weight_version) if str(batch.weight_version).isdigit()
                    else float("nan"))
         staleness = self.iteration - version  # trainer weights = version str(self.iteration)
-        t_rollout += self._ready_wait_s
+        t_rollout += self.feed.ready_wait_s
         pad_frac = 1.0 - float(sum(len(smp.prompt_ids) + len(smp.response_ids)
                                    for smp in batch.samples)) / max(packed.tokens.numel(), 1)
         last: dict = {}
@@ -308,7 +264,7 @@ class Trainer:
         # missing it would read as a partly trained batch.
         last[M.TIME_WEIGHT_SYNC] = last[M.TIME_ITERATION] = float("nan")
         try:
-            self._collect_next()  # overlap: the server must be idle before the push
+            self.feed.collect_next()  # overlap: the server must be idle before the push
             t2 = time.time()
             self.sync_weights()
             last[M.TIME_WEIGHT_SYNC] = time.time() - t2
@@ -322,7 +278,7 @@ class Trainer:
     def train_state(self) -> dict:
         return {"iteration": self.iteration, "step": self.step, "evals": dict(self.evals),
                 "engine": self.rollout.state_dict(), "torch_rng": torch.get_rng_state(),
-                "overlap_batch": _encode_ready(self._ready)}
+                "overlap_batch": self.feed.state()}
 
     def load_train_state(self, state: dict) -> None:
         self.iteration = int(state["iteration"])
@@ -330,7 +286,7 @@ class Trainer:
         self.evals = dict(state["evals"])
         self.rollout.load_state_dict(state["engine"])
         torch.set_rng_state(state["torch_rng"])
-        self._ready = _decode_ready(state.get("overlap_batch"))
+        self.feed.load_state(state.get("overlap_batch"))
 
     def save(self) -> None:
         ckpt.save_checkpoint(self.ckpt_dir, self.iteration, self.model, self.optimizer,
@@ -391,15 +347,6 @@ class Trainer:
         writer.close()
         self.save()
         return {"wall_s": time.time() - start}
-
-
-def _encode_ready(ready) -> bytes | None:
-    """The collected overlap batch as plain-container bytes (no pickle of ours, rollout_store)."""
-    return None if ready is None else rollout_store.encode_batch(*ready)
-
-
-def _decode_ready(blob: bytes | None):
-    return None if blob is None else rollout_store.decode_batch(blob)
 
 
 def _sampled_entropy(batch) -> float:

@@ -8,7 +8,7 @@ docs/engines.md, vLLM). Other releases move the routes and fields the bridge rel
 (/collective_rpc, /pause semantics, the worker-extension hooks), so they are refused instead of
 failing later in a less clear place.
 
-Both sides check it: the launcher (megatron_pdm/train/vllm_server.py) asks the vLLM
+Both sides check it: the launcher (megatron_pdm/train/rollout/vllm_server/venv.py) asks the vLLM
 environment's interpreter for the installed distribution before starting a server (`PROBE`),
 and the client (rollout_bridge/vllm/control.py) reads `GET /version` of a running server
 (vLLM's vllm/entrypoints/serve/instrumentator/basic.py: `{"version": vllm.__version__}`).

@@ -1,4 +1,4 @@
-"""The driver's rollout saver (train/rollout_store.py): bounded, lossless, plain-data files."""
+"""The driver's rollout saver (train/rollout/store.py): bounded, lossless, plain-data files."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from megatron_pdm.train import rollout_store
+from megatron_pdm.train.rollout import store as rollout_store
 from megatron_pdm.train.config import RunConfig
 from rollout_bridge.core.packing import pack_padded
 from rollout_bridge.core.types import RolloutBatch, RolloutSample, group_advantages

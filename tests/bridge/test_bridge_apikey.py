@@ -80,7 +80,7 @@ def test_vllm_key_not_in_logs_or_errors(caplog):
 
 
 def test_vllm_launcher_holds_an_api_key(tmp_path):
-    from megatron_pdm.train.vllm_server import VLLMServer
+    from megatron_pdm.train.rollout.vllm_server.process import VLLMServer
 
     model = tmp_path / "model"
     model.mkdir()

@@ -63,9 +63,9 @@ def test_driver_engine_simulates_sglangs_online_fp8_scales(monkeypatch):
     """SGLang's `--quantization fp8` on a BF16 checkpoint quantises per tensor (per expert) on load;
     the driver's local engine simulates that by default (rollout.fp8_scales="tensor") and 128x128
     blocks only when asked (an FP8 checkpoint's scales)."""
-    from megatron_pdm.train import rollout
-    from megatron_pdm.train.config import RolloutConfig
-    from megatron_pdm.train.rollout import build_engine
+    from megatron_pdm.train.rollout import local as rollout
+    from megatron_pdm.train.rollout.config import RolloutConfig
+    from megatron_pdm.train.rollout.local import build_engine
 
     # the driver's device (mcore/device.py) is the CPU shim's "cpu" here; the shim itself is not
     # installed in this process

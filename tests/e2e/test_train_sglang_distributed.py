@@ -50,7 +50,7 @@ OVERRIDES = ["warmup.steps=0", "train.iterations=3", "train.eval_prompts=4",
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     from megatron_pdm.train.config import RunConfig
-    from megatron_pdm.train.vllm_server import prepare_model_dir, run_arch
+    from megatron_pdm.train.rollout.vllm_server.model_dir import prepare_model_dir, run_arch
 
     root = tmp_path_factory.mktemp("sglang_dist")
     arch = run_arch(RunConfig.load(CONFIG, SHORT))  # the model only

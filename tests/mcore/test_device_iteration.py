@@ -134,7 +134,7 @@ def _worker(rank, world, out, gpu_init, distributed_optimizer, tp):
 
 def _unplaced_worker(rank, world, out):
     from megatron_pdm.mcore.cpu_shim import apply_cpu_shim
-    from megatron_pdm.train import rollout as rollout_mod
+    from megatron_pdm.train.rollout import factory as rollout_mod
     from megatron_pdm.train import trainer as trainer_mod
     from tests._device_trace import DeviceTrace
 

@@ -176,7 +176,7 @@ def _tp_parity_worker(rank, world, ckpt_dir, out_path):
     from megatron_pdm.mcore import checkpoint as ckpt
     from megatron_pdm.mcore.model import build_model, transformer_config
     from megatron_pdm.mcore.parallel import destroy_parallel, init_parallel
-    from megatron_pdm.train import rollout as ro
+    from megatron_pdm.train.rollout import local as ro
     from megatron_pdm.arch import Qwen3MoeArch
     from megatron_pdm.train.task import AdditionTask, Tokenizer
     from rollout_bridge.core.types import group_advantages

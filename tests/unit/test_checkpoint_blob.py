@@ -1,5 +1,6 @@
 """The overlap batch in a checkpoint's train_state holds plain containers only and is read with
-weights_only=True (train/rollout_store.encode_batch / decode_batch via trainer._decode_ready)."""
+weights_only=True (train/rollout/store.py encode_batch / decode_batch via
+train/rollout/feed.py decode_ready)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import os
 import pytest
 import torch
 
-from megatron_pdm.train.trainer import _decode_ready, _encode_ready
+from megatron_pdm.train.rollout.feed import decode_ready as _decode_ready
+from megatron_pdm.train.rollout.feed import encode_ready as _encode_ready
 from rollout_bridge.core.types import RolloutBatch, RolloutFailure, RolloutSample
 
 

@@ -16,7 +16,8 @@ import yaml
 from megatron_pdm.arch import Qwen3MoeArch
 from megatron_pdm.config import PRESETS, PolicyLossConfig
 from megatron_pdm.configtree import ConfigError, convert, from_mapping
-from megatron_pdm.train.config import RolloutConfig, RunConfig
+from megatron_pdm.train.config import RunConfig
+from megatron_pdm.train.rollout.config import RolloutConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "examples" / "tiny_cpu" / "config.yaml"

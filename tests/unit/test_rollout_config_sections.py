@@ -7,10 +7,10 @@ import pytest
 import yaml
 
 from megatron_pdm.configtree import ConfigError
-from megatron_pdm.train.config import (
+from megatron_pdm.train.config import RunConfig
+from megatron_pdm.train.rollout.config import (
     ROLLOUT_MOVED_KEYS,
     RolloutConfig,
-    RunConfig,
     SGLangRolloutConfig,
     VLLMRolloutConfig,
     WeightSyncConfig,

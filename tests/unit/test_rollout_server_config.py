@@ -26,7 +26,8 @@ def test_vllm_needs_url_and_overlap_needs_a_server():
 
 
 def test_launcher_refusals():
-    from megatron_pdm.train.vllm_server import check_bind_host, check_servable
+    from megatron_pdm.train.rollout.vllm_server.model_dir import check_servable
+    from megatron_pdm.train.rollout.vllm_server.process import check_bind_host
 
     arch = Qwen3MoeArch(vocab_size=18, hidden_size=64, num_layers=1, num_attention_heads=4,
                         num_query_groups=2, head_dim=32, num_experts=4, moe_router_topk=2,
@@ -63,7 +64,7 @@ def test_pause_wait_is_checked(value, match):
 def test_pause_wait_reaches_the_vllm_client():
     import types
 
-    from megatron_pdm.train.vllm_rollout import VLLMRollout
+    from megatron_pdm.train.rollout.vllm import VLLMRollout
 
     cfg = RunConfig.load(None, [*VLLM, "rollout.vllm.pause_wait_s=7.5",
                                 "rollout.vllm.restart_wait_s=2"])

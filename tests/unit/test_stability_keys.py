@@ -15,7 +15,7 @@ import torch
 from megatron_pdm.configtree import ConfigError
 from megatron_pdm.train import schedule as sched
 from megatron_pdm.train.config import RunConfig
-from megatron_pdm.train.rollout import LocalRollout, latest_weights
+from megatron_pdm.train.rollout.local import LocalRollout, latest_weights
 
 
 class _Engine:
@@ -103,7 +103,7 @@ def test_vllm_setting_runs_inside_its_server_launcher():
     grid = Grid(["pdm-agg"], ["engine-vllm-bf16", "base"], [3])
     cell = Cell("pdm-agg", "engine-vllm-bf16", 3)
     prefix = grid.launcher(cell, "cfg.yaml")
-    assert prefix[1:3] == ["-m", "megatron_pdm.train.vllm_server"] and prefix[-1] == "--"
+    assert prefix[1:3] == ["-m", "megatron_pdm.train.rollout.vllm_server"] and prefix[-1] == "--"
     assert prefix[prefix.index("--dtype") + 1] == "bfloat16"
     assert prefix[prefix.index("--set") + 1] == "seed=3"
     assert grid.launcher(Cell("pdm-agg", "base", 3), "cfg.yaml") == []

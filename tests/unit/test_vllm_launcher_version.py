@@ -1,5 +1,5 @@
-"""The vLLM launcher (megatron_pdm/train/vllm_server.py) refuses a vLLM environment outside the
-supported range (rollout_bridge/vllm/versions.py) before it starts anything, naming the
+"""The vLLM launcher (megatron_pdm/train/rollout/vllm_server/) refuses a vLLM environment outside
+the supported range (rollout_bridge/vllm/versions.py) before it starts anything, naming the
 environment, the version found and the range; the CLI prints that as one error line. The
 environments here are fakes: a `bin/python` script that answers the version probe."""
 
@@ -11,7 +11,7 @@ import types
 
 import pytest
 
-from megatron_pdm.train import vllm_server
+from megatron_pdm.train.rollout.vllm_server import cli as vllm_server
 from rollout_bridge.vllm.versions import UnsupportedVLLMVersion
 
 

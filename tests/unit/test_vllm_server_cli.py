@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_pdm.train.vllm_server import ROOT, VLLMServer, main
+from megatron_pdm.train.rollout.vllm_server.cli import main
+from megatron_pdm.train.rollout.vllm_server.process import VLLMServer
+from megatron_pdm.train.rollout.vllm_server.venv import ROOT
 
 
 def test_relative_model_dir_is_resolved_and_kv_cache_passed(tmp_path, monkeypatch):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_pdm.train import vllm_server
+from megatron_pdm.train.rollout.vllm_server import venv as vllm_server
 
 
 def test_env_var_wins(monkeypatch, tmp_path):

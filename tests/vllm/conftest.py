@@ -49,7 +49,8 @@ def pytest_configure(config):
 
 def _start_server():
     from megatron_pdm.train.config import RunConfig
-    from megatron_pdm.train.vllm_server import VLLMServer, prepare_model_dir, run_arch
+    from megatron_pdm.train.rollout.vllm_server.model_dir import prepare_model_dir, run_arch
+    from megatron_pdm.train.rollout.vllm_server.process import VLLMServer
 
     work = Path(tempfile.mkdtemp(prefix="pdm_vllm_tests_"))
     cfg = RunConfig.load(str(CONFIG), MODEL_OVERRIDES)

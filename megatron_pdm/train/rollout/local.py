@@ -15,7 +15,8 @@ model.
 
 Pipeline parallelism is not supported here (the engine copy would need its own pipeline
 schedule for every decode step); at scale rollouts come from SGLang (`rollout.engine: sglang`,
-sglang_rollout.py) or vLLM (`rollout.engine: vllm`, vllm_rollout.py), which work with any PP.
+sglang.py) or vLLM (`rollout.engine: vllm`, vllm.py), which work with any PP. factory.py picks
+the source and builds the engine copy.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 import torch.distributed as dist
 
-from megatron_pdm.mcore.device import current_device, place
+from megatron_pdm.mcore.device import current_device
 from megatron_pdm.intmath import round_up
 from rollout_bridge.local.engine import LocalEngine
 from rollout_bridge.core.types import RolloutBatch
@@ -69,30 +70,6 @@ def latest_weights(rollout):
 def engine_weights(trainer_module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The trainer's local parameters under the engine copy's names (`gpt.` prefix)."""
     return {f"gpt.{name}": p.detach() for name, p in trainer_module.named_parameters()}
-
-
-def build_rollout(cfg, arch, tconfig, task, trainer_module_fn, *, meta: dict | None):
-    """The run's rollout source: `LocalRollout` (engine copy on every rank), `SGLangRollout` or
-    `VLLMRollout` (a server driven by rank 0)."""
-    from megatron_pdm.train import model_setup as ms
-
-    r = cfg.rollout
-    if r.engine == "sglang":
-        from megatron_pdm.train.sglang_rollout import SGLangRollout
-
-        return SGLangRollout(cfg, arch, trainer_module_fn, meta=meta, style=ms.key_style(cfg))
-    if r.engine == "vllm":
-        from megatron_pdm.train.vllm_rollout import VLLMRollout
-
-        return VLLMRollout(cfg, arch, trainer_module_fn)
-    from megatron_pdm.mcore.model import build_model
-
-    rollout_gpt = place(build_model(arch, tconfig, use_te=ms.use_te(cfg)))
-    engine = build_engine(rollout_gpt, vocab_size=arch.vocab_size, top_logprobs=r.top_logprobs,
-                          seed=cfg.seed, rollout_precision=r.rollout_precision,
-                          eos_id=task.eos_id, pad_id=task.pad_id, tp_size=cfg.parallel.tp,
-                          fp8_block_size=None if r.fp8_scales == "tensor" else 128)
-    return LocalRollout(engine, trainer_module_fn, staleness=r.staleness)
 
 
 def build_engine(rollout_gpt: torch.nn.Module, *, vocab_size: int, top_logprobs: int,

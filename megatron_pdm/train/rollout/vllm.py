@@ -3,7 +3,7 @@
 Rollout: global rank 0 sends the iteration's prompts to `rollout_bridge.vllm.client.VLLMEngine`
 (`rollout.vllm.url`; token ids in, top-K log-probs with ids out, one seed per sample); the rank-0
 driving, the background generation of `rollout.overlap`, the version check and the broadcast to
-every rank are `ServerRollout`'s (server_rollout.py).
+every rank are `ServerRollout`'s (server.py).
 
 Weight sync (`_push`, collective; once before the first rollout, after each iteration's
 optimizer steps, after a resume):
@@ -33,13 +33,13 @@ import os
 
 import torch
 
-from megatron_pdm.train.server_rollout import ServerRollout
+from megatron_pdm.train.rollout.server import ServerRollout
 
 logger = logging.getLogger(__name__)
 
 
 class VLLMRollout(ServerRollout):
-    """Rank 0 talks to vLLM; every rank receives the same `RolloutBatch` (server_rollout.py)."""
+    """Rank 0 talks to vLLM; every rank receives the same `RolloutBatch` (server.py)."""
 
     def __init__(self, cfg, arch, trainer_module_fn):
         r = cfg.rollout

@@ -3,7 +3,7 @@
 Rollout: global rank 0 sends the iteration's prompts to `rollout_bridge.SGLangEngine`
 (`rollout.sglang.url`, or several servers in `rollout.sglang.urls`: prompts spread round-robin,
 a retry goes to the next server; token ids in, top-K logprobs out); the rank-0 driving, the
-version check and the broadcast to every rank are `ServerRollout`'s (server_rollout.py). The API
+version check and the broadcast to every rank are `ServerRollout`'s (server.py). The API
 key (SGLang --api-key) comes from `rollout.sglang.api_key_file` or the environment variable named
 by `rollout.sglang.api_key_env`; only those names are in the config.
 
@@ -44,13 +44,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_pdm.netutil import free_port
-from megatron_pdm.train.server_rollout import ServerRollout, capture, share_from_rank0
+from megatron_pdm.train.rollout.server import ServerRollout, capture, share_from_rank0
 
 logger = logging.getLogger(__name__)
 
 
 class SGLangRollout(ServerRollout):
-    """Rank 0 talks to SGLang; every rank receives the same `RolloutBatch` (server_rollout.py)."""
+    """Rank 0 talks to SGLang; every rank receives the same `RolloutBatch` (server.py)."""
 
     def __init__(self, cfg, arch, trainer_module_fn, *, meta: dict | None, style: str):
         r = cfg.rollout
