@@ -29,7 +29,6 @@ broadcast, `VLLMEngine.update_weights_via_transfer`; docs/engines.md, vLLM), not
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
