@@ -143,6 +143,14 @@ def round_robin_ms(fns: list, repeats: int
     return wall, cpu
 
 
+def _head() -> str:
+    """The checkout's commit (+ "-dirty" with uncommitted changes), for the results record."""
+    def git(*cmd: str) -> str:
+        return subprocess.run(["git", "-C", ROOT, *cmd], capture_output=True, text=True).stdout
+    return git("rev-parse", "--short", "HEAD").strip() + ("-dirty" if git(
+        "status", "--porcelain", "--untracked-files=no").strip() else "")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=8192)
@@ -253,7 +261,7 @@ def main() -> None:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         record = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
                   "tokens": t, "k": k, "repeats": args.repeats, "seed": 0,
-                  "previous_rev": args.previous, "cpu_model": cpu_model(),
+                  "previous_rev": args.previous, "head": _head(), "cpu_model": cpu_model(),
                   "cpu_count": os.cpu_count(),
                   "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
                   "load_average_before": load_before, "load_average_after": load_after,
