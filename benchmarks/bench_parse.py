@@ -5,13 +5,18 @@ response shapes of docs/engines.md):
   floor     one orjson.loads of the nested /generate body with the cyclic GC paused (any JSON
             path pays this); also shown with the GC running
   ours-json rollout_bridge.parse_generate_response (orjson + C-level flattening + numpy)
+  previous  the same function as it was at git revision --previous (default PREVIOUS_REV, the
+            parser before the one-flatten change), loaded from `git show REV:path` into
+            private module names at run time: the exact committed code, not an editable copy
   baseline  stdlib json + per-position Python loops + torch.tensor (the DPPO/Stable-RL way)
   ours-flat binary path, one request: the /generate body with the output top-K as SGLang's
             flat base64 arrays (`return_flat_raw_output_top_logprobs`), parse_generate_response
   ours-b64  binary path, two requests: generation body with K=0 + scoring body with flat base64
             prompt-side top-K (parse_generate_response + parse_scoring_response)
 Rows are timed round-robin (every row once per round), so their ratios hold on a loaded machine;
-reports medians, minima and ratios. Usage: python benchmarks/bench_parse.py [--tokens 8192 --k 20]
+reports medians, minima and ratios (wall clock and the process's CPU time, which a loaded
+machine disturbs less). Usage: python benchmarks/bench_parse.py [--tokens 8192 --k 20]
+[--previous REV] [--out results/parse/NAME] (writes NAME.json and NAME.md).
 """
 
 from __future__ import annotations
@@ -20,8 +25,10 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
+import types
 
 import numpy as np
 import orjson
@@ -31,6 +38,32 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from rollout_bridge import parse_generate_response, parse_scoring_response  # noqa: E402
 from rollout_bridge.core.decode import gc_paused  # noqa: E402
+from megatron_pdm.hostinfo import cpu_model  # noqa: E402
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+PREVIOUS_REV = "83ae521"  # main before the nested path flattened each position once
+
+
+def load_previous(rev: str):
+    """`parse_generate_response` of git revision `rev`: its sglang/parse.py and core/decode.py
+    (the two files the nested path runs through) exec'd as private modules, the parser's import of
+    decode pointed at the old decode; every other import is today's (unchanged modules)."""
+    def source(path: str) -> str:
+        return subprocess.run(["git", "-C", ROOT, "show", f"{rev}:{path}"], check=True,
+                              capture_output=True, text=True).stdout
+
+    def module(name: str, text: str):
+        mod = types.ModuleType(name)
+        sys.modules[name] = mod
+        exec(compile(text, f"{rev}:{name}", "exec"), mod.__dict__)
+        return mod
+
+    module("_previous_decode", source("rollout_bridge/core/decode.py"))
+    parse_src = source("rollout_bridge/sglang/parse.py")
+    assert parse_src.count("from rollout_bridge.core.decode import") == 1
+    parse_src = parse_src.replace("from rollout_bridge.core.decode import",
+                                  "from _previous_decode import")
+    return module("_previous_parse", parse_src).parse_generate_response
 
 
 def make_bodies(t: int, k: int, vocab: int = 151936, prompt_len: int = 512, seed: int = 0):
@@ -92,19 +125,30 @@ def baseline(body: bytes, k: int):
             torch.tensor(sampled_ids), torch.tensor(sampled_lps))
 
 
-def round_robin_ms(fns: list, repeats: int) -> list[list[float]]:
+def round_robin_ms(fns: list, repeats: int
+                  ) -> tuple[list[list[float]], list[list[float]]]:
     """Times every fn once per round, `repeats` rounds (after one warm-up call each): the rows of
     one round run back to back, so a change of machine load shifts all of them alike and the
-    ratios between rows stay meaningful on a shared machine."""
+    ratios between rows stay meaningful on a shared machine. Returns (wall ms, CPU ms) per row."""
     for fn in fns:
         fn()
-    times: list[list[float]] = [[] for _ in fns]
+    wall: list[list[float]] = [[] for _ in fns]
+    cpu: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        for fn, out in zip(fns, times):
-            start = time.perf_counter()
+        for fn, w, c in zip(fns, wall, cpu):
+            start, start_cpu = time.perf_counter(), time.process_time()
             fn()
-            out.append((time.perf_counter() - start) * 1e3)
-    return times
+            c.append((time.process_time() - start_cpu) * 1e3)
+            w.append((time.perf_counter() - start) * 1e3)
+    return wall, cpu
+
+
+def _head() -> str:
+    """The checkout's commit (+ "-dirty" with uncommitted changes), for the results record."""
+    def git(*cmd: str) -> str:
+        return subprocess.run(["git", "-C", ROOT, *cmd], capture_output=True, text=True).stdout
+    return git("rev-parse", "--short", "HEAD").strip() + ("-dirty" if git(
+        "status", "--porcelain", "--untracked-files=no").strip() else "")
 
 
 def main() -> None:
@@ -112,6 +156,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--k", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--previous", default=PREVIOUS_REV,
+                    help="git revision whose parser is timed beside today's ('' to skip)")
+    ap.add_argument("--out", default="", help="write OUT.json and OUT.md")
     args = ap.parse_args()
     t, k = args.tokens, args.k
     nested, gen0, scoring, flat_out = make_bodies(t, k)
@@ -123,7 +170,9 @@ def main() -> None:
         s.prompt_ids = torch.as_tensor(prompt)
         return parse_scoring_response(scoring, [s], k, 151936)
 
-    # Both paths must agree on the support before timing anything.
+    # Both paths (and the previous parser) must agree on the support before timing anything.
+    fields = ("response_ids", "behavior_logprob", "support_ids", "support_logprobs",
+              "support_valid")
     a = parse_generate_response(nested, top_logprobs=k, vocab_size=151936)[0]
     b = ours_b64()[0]
     assert torch.equal(a.support_ids, b.support_ids) and torch.equal(a.support_valid,
@@ -131,6 +180,12 @@ def main() -> None:
     c = parse_generate_response(flat_out, top_logprobs=k, vocab_size=151936)[0]
     assert all(torch.equal(getattr(a, n), getattr(c, n))
                for n in ("support_ids", "support_logprobs", "support_valid"))
+    previous = load_previous(args.previous) if args.previous else None
+    if previous is not None:
+        p = previous(nested, top_logprobs=k, vocab_size=151936)[0]
+        assert all(torch.equal(getattr(a, n), getattr(p, n)) for n in fields)
+        assert a.meta_info == p.meta_info
+
     def floor_paused():
         with gc_paused():
             return orjson.loads(nested)
@@ -141,6 +196,11 @@ def main() -> None:
          len(nested)),
         ("ours, JSON path (parse_generate_response)",
          lambda: parse_generate_response(nested, top_logprobs=k, vocab_size=151936), len(nested)),
+    ]
+    if previous is not None:
+        rows.append((f"previous, JSON path (parse_generate_response at {args.previous})",
+                     lambda: previous(nested, top_logprobs=k, vocab_size=151936), len(nested)))
+    rows += [
         ("baseline: stdlib json + Python loops", lambda: baseline(nested, k), len(nested)),
         ("ours, binary: output-side flat b64 (one /generate, `flat_b64`)",
          lambda: parse_generate_response(flat_out, top_logprobs=k, vocab_size=151936),
@@ -148,20 +208,70 @@ def main() -> None:
         ("ours, binary: K=0 gen body + b64 scoring body (`scoring_b64`)", ours_b64,
          len(gen0) + len(scoring)),
     ]
-    times = round_robin_ms([fn for _, fn, _ in rows], args.repeats)
-    res = [(name, statistics.median(ts), min(ts), size)
-           for (name, _, size), ts in zip(rows, times)]
-    floor, base = res[0][1], res[3][1]
-    print(f"T={t} tokens, K={k}, torch {torch.__version__}, numpy {np.__version__}, "
-          f"orjson {orjson.__version__}, {os.cpu_count()} CPUs, {args.repeats} round-robin "
-          f"rounds, load average {os.getloadavg()[0]:.1f}\n")
-    floor_min = res[0][2]
-    print("| path | payload MB | median ms | min ms | x floor (medians) | x floor (minima) | "
-          "speedup vs baseline |")
-    print("|---|---|---|---|---|---|---|")
-    for name, ms, lo, size in res:
-        print(f"| {name} | {size / 1e6:.2f} | {ms:.1f} | {lo:.1f} | {ms / floor:.2f} | "
-              f"{lo / floor_min:.2f} | {base / ms:.1f}x |")
+    load_before = os.getloadavg()
+    wall, cpu = round_robin_ms([fn for _, fn, _ in rows], args.repeats)
+    load_after = os.getloadavg()
+    names = [name for name, _, _ in rows]
+    floor_i, base_i = 0, names.index("baseline: stdlib json + Python loops")
+    ours_i = 2
+    prev_i = 3 if previous is not None else None
+    res = []
+    for i, (name, _, size) in enumerate(rows):
+        r = {"path": name, "payload_mb": round(size / 1e6, 3),
+             "median_ms": statistics.median(wall[i]), "min_ms": min(wall[i]),
+             "cpu_median_ms": statistics.median(cpu[i]), "cpu_min_ms": min(cpu[i]),
+             "x_floor_median": statistics.median(wall[i]) / statistics.median(wall[floor_i]),
+             "x_floor_cpu_median": statistics.median(cpu[i]) / statistics.median(cpu[floor_i]),
+             "speedup_vs_baseline": statistics.median(wall[base_i]) / statistics.median(wall[i])}
+        res.append(r)
+    ratio = None
+    if prev_i is not None:
+        # per-round ratios of the two JSON parsers (same round: same machine state)
+        per_round = [o / p for o, p in zip(wall[ours_i], wall[prev_i])]
+        per_round_cpu = [o / p for o, p in zip(cpu[ours_i], cpu[prev_i])]
+        ratio = {"new_over_previous_median_of_round_ratios": statistics.median(per_round),
+                 "new_over_previous_cpu_median_of_round_ratios":
+                     statistics.median(per_round_cpu),
+                 "new_over_previous_minima": min(wall[ours_i]) / min(wall[prev_i]),
+                 "new_over_previous_cpu_minima": min(cpu[ours_i]) / min(cpu[prev_i]),
+                 "rounds_new_faster": sum(r < 1 for r in per_round_cpu)}
+    head = (f"T={t} tokens, K={k}, torch {torch.__version__}, numpy {np.__version__}, "
+            f"orjson {orjson.__version__}, {cpu_model()}, {os.cpu_count()} CPUs, "
+            f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, {args.repeats} "
+            f"round-robin rounds, load average {load_before[0]:.1f} before / "
+            f"{load_after[0]:.1f} after")
+    lines = [head, "",
+             "| path | payload MB | median ms | min ms | CPU median ms | x floor (medians) | "
+             "x floor (CPU medians) | speedup vs baseline |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in res:
+        lines.append(f"| {r['path']} | {r['payload_mb']:.2f} | {r['median_ms']:.1f} | "
+                     f"{r['min_ms']:.1f} | {r['cpu_median_ms']:.1f} | "
+                     f"{r['x_floor_median']:.2f} | {r['x_floor_cpu_median']:.2f} | "
+                     f"{r['speedup_vs_baseline']:.1f}x |")
+    if ratio is not None:
+        lines += ["", f"new / previous ({args.previous}), JSON path: median of per-round ratios "
+                  f"{ratio['new_over_previous_median_of_round_ratios']:.3f} wall, "
+                  f"{ratio['new_over_previous_cpu_median_of_round_ratios']:.3f} CPU; minima "
+                  f"{ratio['new_over_previous_minima']:.3f} wall, "
+                  f"{ratio['new_over_previous_cpu_minima']:.3f} CPU; new faster (CPU) in "
+                  f"{ratio['rounds_new_faster']} of {args.repeats} rounds"]
+    print("\n".join(lines))
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        record = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+                  "tokens": t, "k": k, "repeats": args.repeats, "seed": 0,
+                  "previous_rev": args.previous, "head": _head(), "cpu_model": cpu_model(),
+                  "cpu_count": os.cpu_count(),
+                  "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+                  "load_average_before": load_before, "load_average_after": load_after,
+                  "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                  "rows": res, "new_over_previous": ratio,
+                  "wall_ms": wall, "cpu_ms": cpu}
+        with open(args.out + ".json", "w") as f:
+            json.dump(record, f, indent=1)
+        with open(args.out + ".md", "w") as f:
+            f.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

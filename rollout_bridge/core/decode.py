@@ -132,6 +132,12 @@ def floats(items: list, count: int, what: str = "logprob", sample_index: int | N
         RolloutValidationError: naming sample, position (via `locate`) and field.
     """
     _check_count(items, count, what, sample_index)
+    # all floats (the engines' case): one C-level count, no set built
+    if operator.countOf(map(type, items), float) == count:
+        try:
+            return np.fromiter(items, dtype=np.float64, count=count)
+        except (OverflowError, ValueError):
+            pass
     types = set(map(type, items))
     if types <= _NUMBER_TYPES:
         try:
@@ -172,7 +178,7 @@ def ints(items: list, count: int, what: str, sample_index: int | None,
         RolloutValidationError: naming sample, position (via `locate`) and field.
     """
     _check_count(items, count, what, sample_index)
-    if set(map(type, items)) <= {int}:
+    if operator.countOf(map(type, items), int) == count:  # exact ints only (a bool is not)
         try:
             return np.fromiter(items, dtype=np.int64, count=count)
         except (OverflowError, ValueError):
@@ -209,38 +215,39 @@ def checked_list(value: Any, what: str, sample_index: int | None,
     return value
 
 
-def pair_columns(entries: Callable[[], Iterable], count: int, what: str,
-                 sample_index: int | None,
+def pair_columns(entries: list, count: int, what: str, sample_index: int | None,
                  locate: Callable[[int], tuple[int | None, int | None]] | None = None
                  ) -> tuple[np.ndarray, np.ndarray]:
     """(ids [count] int64, logprobs [count] float64) of `[logprob, id, ...]` entries (SGLang's
     triples; 2 or more items each).
 
-    `entries` returns a fresh iterable over the entries (a list, or a chain over the rows of a
-    nested top-K: no flattened copy is made). Two C-level passes pick item 0 and item 1 of every
-    entry (`map(itemgetter(i), ...)`; an entry shorter than 2, a number, null or an object
-    raises there and ends the fast path), then `ints` / `floats` check every value's type. Of
-    the JSON types only a list can put numbers in the columns (a string's characters are
-    strings, refused there; an object's keys are strings, so item 0 raises); when a value is
-    refused, the entries are walked once more so that an entry that is not a list is named as
-    such, as the per-entry path does. (A Python caller's pre-decoded dict keyed by the integers
-    0 and 1 would read as an entry: the input is decoded JSON.)
+    `entries` is the flat list of entries (a nested top-K is flattened once by the caller,
+    `list(chain.from_iterable(rows))`: a list of references, the entries themselves are not
+    copied). Two C-level passes over it pick item 0 and item 1 of every entry
+    (`map(itemgetter(i), ...)`; an entry shorter than 2, a number, null or an object raises
+    there and ends the fast path), then `ints` / `floats` check every value's type on the two
+    flat columns (one C-level count each) and fill numpy. Of the JSON types only a list can put
+    numbers in the columns (a string's characters are strings, refused there; an object's keys
+    are strings, so item 0 raises); when a value is refused, the entries are walked once more so
+    that an entry that is not a list is named as such, as the per-entry path does. (A Python
+    caller's pre-decoded dict keyed by the integers 0 and 1 would read as an entry: the input is
+    decoded JSON.)
 
     Raises:
         RolloutValidationError: naming sample, position (via `locate`) and field.
     """
     try:
-        lp_list = list(map(_ITEM0, entries()))
-        id_list = list(map(_ITEM1, entries()))
+        lp_list = list(map(_ITEM0, entries))
+        id_list = list(map(_ITEM1, entries))
     except (TypeError, IndexError, KeyError):  # a short entry, a number, null or an object
-        _check_entries(entries(), what, sample_index, locate)
+        _check_entries(entries, what, sample_index, locate)
         raise RolloutValidationError(f"{what}: entries are not [logprob, id, ...] lists",
                                      sample_index) from None
     try:
         return (ints(id_list, count, what, sample_index, locate),
                 floats(lp_list, count, what, sample_index, locate))
     except RolloutValidationError:
-        _check_entries(entries(), what, sample_index, locate)
+        _check_entries(entries, what, sample_index, locate)
         raise
 
 

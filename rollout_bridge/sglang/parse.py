@@ -7,9 +7,11 @@ What: `parse_generate_response` turns the bytes of one `/generate` response (nes
 
 Why this shape: at K=20 and 8k tokens a response is ~6 MB of JSON and decoding it dominates the
 rollout->trainer path. The JSON path makes exactly one `orjson.loads` and then reads the
-nested triples with C-level iterators (`map(itemgetter(0 / 1), itertools.chain(rows))`: a logprob
-list and an id list, no flattened copy; `core/decode.py: pair_columns`), checks every value's
-type and fills numpy with `np.fromiter`, so no Python code runs per triple; all folding and
+nested triples with C-level iterators: each position's list is flattened once into one list of
+entry references (`itertools.chain`), `map(itemgetter(0 / 1), ...)` over it gives a logprob list
+and an id list (`core/decode.py: pair_columns`), every value's type is checked on those two flat
+lists (one C-level count each) and numpy is filled with `np.fromiter`, so no Python code runs per
+triple; all folding and
 validation is vectorized numpy. The binary path decodes base64 straight into numpy
 (`np.frombuffer`, no copy).
 
@@ -74,7 +76,8 @@ def _parse_top(top: list, t: int, k: int, sample_index: int
              "num_missing_topk_slots": int(np.clip(k - lens_t, 0, None).sum()),
              "num_truncated_positions": int((lens_t > k).sum())}
     if stats["num_short_positions"] == 0 and stats["num_truncated_positions"] == 0:
-        ids_n, lp_n = pair_columns(lambda: _chain(top), t * k, _TOP, sample_index,
+        # each position's list flattened once (references only); the columns come off it
+        ids_n, lp_n = pair_columns(list(_chain(top)), t * k, _TOP, sample_index,
                                    lambda j: (j // k, j % k))
         return ids_n.reshape(t, k), lp_n.reshape(t, k), np.ones((t, k), dtype=bool), stats
     # General path: ragged, null or over-long rows (still C-level flattening).
@@ -82,7 +85,7 @@ def _parse_top(top: list, t: int, k: int, sample_index: int
     rows = [row[:k] if row else () for row in top] if stats["num_truncated_positions"] else \
         [row or () for row in top]
     n = int(lens_t.sum())
-    ids_n, lp_n = pair_columns(lambda: _chain(rows), n, _TOP, sample_index,
+    ids_n, lp_n = pair_columns(list(_chain(rows)), n, _TOP, sample_index,
                                row_locator(lens_t))
     starts_t = np.cumsum(lens_t) - lens_t
     pos_n = np.repeat(np.arange(t), lens_t)
@@ -114,7 +117,7 @@ def _sampled(meta: dict, obj: dict, sample_index: int) -> tuple[np.ndarray, np.n
                                      "(request return_logprob=true)", sample_index)
     otl = checked_list(otl, _OTL, sample_index)
     t = len(otl)
-    sampled_ids, sampled_lp = pair_columns(lambda: otl, t, _OTL, sample_index)
+    sampled_ids, sampled_lp = pair_columns(otl, t, _OTL, sample_index)
     out_ids = obj.get("output_ids")
     if out_ids is not None:
         out_ids = checked_list(out_ids, "output_ids", sample_index)
