@@ -40,7 +40,8 @@ def _simulate(tmp_path, ranks: str, *extra: str) -> dict:
                "--seq-length", "256", "--micro-batch", "1", "--output-dir", str(tmp_path),
                *_recipe_args(), "--set", "parallel.tp=2", "--set", "parallel.ep=2", *extra])
     result = json.loads((tmp_path / "simulate.json").read_text())
-    assert rc == 0, [r["param_shape_problems"] + r["loss_input_problems"] for r in result["ranks"]]
+    assert rc == 0, [r["param_shape_problems"] + r["loss_input_problems"] + r["device_violations"]
+                     for r in result["ranks"]]
     assert (tmp_path / "simulate.md").exists()
     return result
 
