@@ -162,6 +162,9 @@ class CollectiveRecorder(TorchDispatchMode):
                 "sum", "avg", "max", "min", "product")), "")
         project, caller = code_location()
         stack = _stack_functions()
+        if op in ("isend", "irecv", "send", "recv"):  # the pipeline schedule's step it serves
+            step = [f for f in stack.split() if f.startswith(("send_", "recv_"))]
+            op += f" ({step[-1]})" if step else ""
         big = max(tensors, key=lambda t: t.numel() * t.element_size(), default=None)
         self.calls.append({
             "op": op, "reduce_op": reduce_op.lower(), "c10d": aten,

@@ -92,7 +92,7 @@ def code_location() -> tuple[str, str]:
     frame = sys._getframe(1)
     while frame is not None and not (project and caller):
         name = frame.f_code.co_filename
-        if "/torch/" not in name and not name.endswith(_OURS):
+        if "/torch/" not in name and not name.endswith(_OURS + ("typing_extensions.py",)):
             where = f"{_short(name)}:{frame.f_lineno} {frame.f_code.co_name}"
             caller = caller or where
             if not project and any(p in name for p in _PROJECT):

@@ -89,6 +89,29 @@ def test_simulated_step_shapes_and_static_memory(tmp_path, monkeypatch, fused_he
     assert (r["tp"], r["ep"], r["dp"]) == want
 
 
+def test_simulated_pipeline_stages(tmp_path):
+    """PP 2 (world 4 = TP 2 x PP 2, EP 2): the first stage (rank 0) and the last (rank 2) run
+    megatron's 1F1B schedule, their activations and gradients sent and received over the
+    pipeline group through the fake process group."""
+    result = _simulate(tmp_path, "0,2", "--set", "parallel.pp=2")
+    first, last = result["ranks"]
+    assert (first["ranks"]["pp"], last["ranks"]["pp"]) == (0, 1)
+    assert first["loss_inputs"] == {}  # no output layer, no loss on the first stage
+    assert last["loss_inputs"]["output_tensor"] == [1, 256, 76032]
+    arch = dataclasses.replace(ModelArch.qwen3_30b_a3b(), num_layers=2, num_experts=8)
+    _check_loss_collectives(last, vocab_dims={arch.vocab_size, 152064, 76032})
+    # the hidden states between the stages and their gradient: [s / TP, b, H] bf16 (sequence
+    # parallel), sent and received over the PP group of 2 ranks; both stages send and receive
+    for r in result["ranks"]:
+        p2p = [c for c in r["collectives"] if c["op"].startswith(("isend", "irecv"))]
+        assert {c["op"].split()[0] for c in p2p} == {"isend", "irecv"}, p2p
+        for c in p2p:
+            assert (c["kind"], c["group_size"], c["shapes"], c["dtype"]) == (
+                "PP", 2, [[128, 1, 2048]], "bfloat16"), c
+    for r in result["ranks"]:
+        assert r["device_violations"] == [] and r["param_shape_problems"] == []
+
+
 def _check_loss_collectives(r: dict, *, vocab_dims: set[int]) -> None:
     """docs/op.md's collective budget at the recipe's shapes: the loss op (inside our loss_func,
     or called from megatron_pdm/loss/ or parallel/, forward and backward) communicates only
