@@ -126,12 +126,15 @@ def _markdown(result: dict) -> str:
 def _collective_lines(r: dict) -> list[str]:
     """The rank's collectives per (phase, op, group, shape): count and bytes per iteration."""
     lines = ["### Collectives (one iteration)", "",
+             "Tensors in c10d's argument order (a gather or scatter: output, input). Bytes: the "
+             "largest tensor of the call (the gathered / scattered whole); a group of 1 moves "
+             "nothing on the wire.", "",
              "| phase | op | group (size: ranks) | tensors | dtype | count | MiB per call | "
              "MiB total | call site |", "|---|---|---|---|---|---:|---:|---:|---|"]
     for c in r["collectives"]:
         g = r["collective_groups"].get(c["group"], {})
         op = c["op"] + (f" {c['reduce_op']}" if c["reduce_op"] else "")
-        shapes = " -> ".join("x".join(map(str, s)) or "scalar" for s in c["shapes"])
+        shapes = ", ".join("x".join(map(str, s)) or "scalar" for s in c["shapes"])
         lines.append(f"| {c['phase']} | {op} | {c['kind']} ({g.get('size')}: "
                      f"{g.get('ranks')}) | {shapes} | {c['dtype']} | {c['count']} | "
                      f"{c['bytes_per_call'] / 2**20:.3f} | {c['bytes_total'] / 2**20:.1f} | "
@@ -156,6 +159,14 @@ def _write_calls(path: str, ranks: list[dict]) -> None:
                 w.writerow([r["rank"], c["phase"], c["op"], c["reduce_op"], c["group"],
                             " ".join("x".join(map(str, s)) for s in c["shapes"]), c["dtype"],
                             c["bytes"], c["caller"], c["project_frame"]])
+
+
+def rewrite_markdown(output_dir: str) -> None:
+    """`simulate.md` again from the directory's `simulate.json` (a report format change)."""
+    with open(os.path.join(output_dir, "simulate.json")) as f:
+        result = json.load(f)
+    with open(os.path.join(output_dir, "simulate.md"), "w") as f:
+        f.write(_markdown(result))
 
 
 def main(argv: list[str] | None = None) -> int:
