@@ -13,10 +13,11 @@ real sizes, and its per-rank memory can be read off without a GPU.
 The device: fake *CPU* tensors. On a CPU build of torch fake CUDA tensors can be created, but
 Python indexing of one (`a[:2]`) fails ("PyTorch is not linked with support for cuda devices",
 results/simulate/feasibility.md), so the simulation runs the project's own CPU path: the CPU
-shim (mcore/cpu_shim.py) maps megatron's `torch.cuda.current_device()` to "cpu". A CPU tensor
-meeting a fake one is refused (`allow_non_fake_inputs=False`), so a host tensor created in the
-training path (a device bug on a GPU) is an error here too; the only real tensors let through
-are the stand-ins' own constants below (`real_constant`).
+shim (mcore/cpu_shim.py) maps megatron's `torch.cuda.current_device()` to "cpu". A real CPU
+tensor meeting a fake one is refused (`allow_non_fake_inputs=False`); the only real tensors let
+through are the stand-ins' own constants below (`real_constant`). A fake tensor created on the
+host in the training path (a device bug on a GPU) is caught by the device tags of
+mcore/sim_devices.py, entered beside this mode by the simulation.
 
 Stand-ins (named, minimal; each replaces a *value* read the fake mode cannot answer, never a
 shape; docs/simulate.md lists them with the error each prevents):

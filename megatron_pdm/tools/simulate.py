@@ -11,7 +11,10 @@ one optimizer step on a synthetic micro-batch of the recipe's size (`--dry-run`'
 rule) and writes `simulate.json` and `simulate.md` to `--output-dir`: per rank the bytes of
 parameters, gradient buffers, optimizer state and the activation peak beside `--dry-run`'s
 estimate (megatron_pdm.layout, local layer spec: the one simulated), the parameter and loss-input
-shape checks and the stand-ins used. Exit code 1 when a shape check fails. docs/simulate.md says
+shape checks, the stand-ins used, every collective (grouped in the json and the md, call by call
+in `collectives.csv`: mcore/sim_collectives.py) and the device violations (a host tensor
+meeting a device one: mcore/sim_devices.py). Exit code 1 when a shape check fails or a device
+violation is found. docs/simulate.md says
 what this proves and what it cannot.
 """
 
@@ -116,7 +119,54 @@ def _markdown(result: dict) -> str:
                   f"- stand-ins: {r['stand_ins']['scalar_reads']} host scalar reads answered by a "
                   f"placeholder, {r['stand_ins']['cuda_factories_on_cpu']} device='cuda' "
                   "factories made on CPU", ""]
+        lines += _collective_lines(r)
     return "\n".join(lines)
+
+
+def _collective_lines(r: dict) -> list[str]:
+    """The rank's collectives per (phase, op, group, shape): count and bytes per iteration."""
+    lines = ["### Collectives (one iteration)", "",
+             "Tensors in c10d's argument order (a gather or scatter: output, input). Bytes: the "
+             "largest tensor of the call (the gathered / scattered whole); a group of 1 moves "
+             "nothing on the wire.", "",
+             "| phase | op | group (size: ranks) | tensors | dtype | count | MiB per call | "
+             "MiB total | call site |", "|---|---|---|---|---|---:|---:|---:|---|"]
+    for c in r["collectives"]:
+        g = r["collective_groups"].get(c["group"], {})
+        op = c["op"] + (f" {c['reduce_op']}" if c["reduce_op"] else "")
+        shapes = ", ".join("x".join(map(str, s)) or "scalar" for s in c["shapes"])
+        lines.append(f"| {c['phase']} | {op} | {c['kind']} ({g.get('size')}: "
+                     f"{g.get('ranks')}) | {shapes} | {c['dtype']} | {c['count']} | "
+                     f"{c['bytes_per_call'] / 2**20:.3f} | {c['bytes_total'] / 2**20:.1f} | "
+                     f"{'; '.join(c['sites'])} |")
+    lines += ["", f"{r['collective_calls']} collective calls; device violations: "
+              f"{len(r['device_violations'])} ({r['device_ops']:,} ops on device tensors checked)"]
+    lines += [f"- DEVICE {v['count']}x {v['what']} at {v['project_frame']} "
+              f"(innermost: {v['caller']})" for v in r["device_violations"]]
+    return lines + [""]
+
+
+def _write_calls(path: str, ranks: list[dict]) -> None:
+    """Every collective call of every simulated rank, in issue order (CSV)."""
+    import csv
+
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["rank", "phase", "op", "reduce_op", "group", "shapes", "dtype", "bytes",
+                    "caller", "project_frame"])
+        for r in ranks:
+            for c in r["collective_calls"]:
+                w.writerow([r["rank"], c["phase"], c["op"], c["reduce_op"], c["group"],
+                            " ".join("x".join(map(str, s)) for s in c["shapes"]), c["dtype"],
+                            c["bytes"], c["caller"], c["project_frame"]])
+
+
+def rewrite_markdown(output_dir: str) -> None:
+    """`simulate.md` again from the directory's `simulate.json` (a report format change)."""
+    with open(os.path.join(output_dir, "simulate.json")) as f:
+        result = json.load(f)
+    with open(os.path.join(output_dir, "simulate.md"), "w") as f:
+        f.write(_markdown(result))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,13 +191,17 @@ def main(argv: list[str] | None = None) -> int:
             r, arch, tp=p.tp, micro_batch=micro, seq_length=seq, fused_head=cfg.train.fused_head)
         r["dry_run_params"] = est["params"]
         r["compare"] = compare(r, est)
-        failed |= bool(r["param_shape_problems"] or r["loss_input_problems"])
+        failed |= bool(r["param_shape_problems"] or r["loss_input_problems"]
+                       or r["device_violations"])
         ranks.append(r)
         print(f"rank {rank}: " + ", ".join(f"{row['category']} {row['simulated'] / GIB:.2f} GiB "
                                            f"(dry-run {row['dry_run'] / GIB:.2f})"
                                            for row in r["compare"]), flush=True)
         for problem in r["param_shape_problems"] + r["loss_input_problems"]:
             print(f"rank {rank}: SHAPE {problem}", flush=True)
+        for v in r["device_violations"]:
+            print(f"rank {rank}: DEVICE {v['count']}x {v['what']} at {v['project_frame']} "
+                  f"(innermost: {v['caller']})", flush=True)
     result = {"recipe": args.config, "command": "megatron-pdm-simulate " + " ".join(
                   sys.argv[1:] if argv is None else argv),
               "machine": f"{cpu_model()}, {os.cpu_count()} cores, "
@@ -160,6 +214,10 @@ def main(argv: list[str] | None = None) -> int:
               "vocab_shard": lay.padded_vocab_size // p.tp, "dry_run": est, "ranks": ranks}
     if args.output_dir:
         os.makedirs(args.output_dir, exist_ok=True)
+        _write_calls(os.path.join(args.output_dir, "collectives.csv"), ranks)
+    for r in ranks:  # every call is in collectives.csv; the json keeps the grouped rows
+        r["collective_calls"] = len(r["collective_calls"])
+    if args.output_dir:
         with open(os.path.join(args.output_dir, "simulate.json"), "w") as f:
             json.dump(result, f, indent=1)
         with open(os.path.join(args.output_dir, "simulate.md"), "w") as f:

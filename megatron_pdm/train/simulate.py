@@ -18,6 +18,7 @@ Transformer Engine; FP8 is refused), NCCL (collectives are no-ops of the fake pr
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 
@@ -27,6 +28,7 @@ from megatron_pdm.arch import ModelArch
 from megatron_pdm.mcore import fake_sim
 from megatron_pdm.mcore import loss_adapter
 from megatron_pdm.mcore import optimizer as mopt
+from megatron_pdm.mcore import sim_collectives, sim_devices
 from megatron_pdm.mcore.lm_head import lm_head_of
 from megatron_pdm.mcore.model import build_model, transformer_config
 from megatron_pdm.mcore.sim_shapes import check_param_shapes
@@ -55,8 +57,9 @@ def synthetic_batch(b: int, s: int, top_k: int, vocab_size: int) -> PackedBatch:
         temperature=1.0, weight_version="0", vocab_size=vocab_size, validated=True)
 
 
-def _loss_func_of(cfg: RunConfig, head, seen: dict, tracker_of):
-    """`make_loss_func` wrapped to record the op's input shapes and its own peak."""
+def _loss_func_of(cfg: RunConfig, head, seen: dict, tracker_of, phase=contextlib.nullcontext):
+    """`make_loss_func` wrapped to record the op's input shapes and its own peak; `phase()` is
+    entered around it (the collective recorder's "loss" phase)."""
 
     def of(mb):
         inner = loss_adapter.make_loss_func(mb, cfg.loss, head=head)
@@ -66,7 +69,7 @@ def _loss_func_of(cfg: RunConfig, head, seen: dict, tracker_of):
             seen["output_dtype"] = str(output_tensor.dtype).removeprefix("torch.")
             if head is not None:
                 seen["head_weight"] = list(head.weight().shape)
-            with tracker_of() as pt:
+            with tracker_of() as pt, phase():
                 out = inner(output_tensor)
             seen["loss_forward_peak_bytes"] = max(seen.get("loss_forward_peak_bytes", 0), pt.peak)
             return out
@@ -86,8 +89,11 @@ def simulate_rank(cfg: RunConfig, arch: ModelArch, *, rank: int, world: int,
                          "recipe; docs/simulate.md)")
     t0 = time.time()
     report: dict = {"rank": rank, "world": world}
-    with fake_sim.fake_world(rank=rank, world=world, tp=p.tp, ep=p.ep, pp=p.pp) as mode:
+    with fake_sim.fake_world(rank=rank, world=world, tp=p.tp, ep=p.ep, pp=p.pp) as mode, \
+            sim_devices.DeviceTagger() as tagger, sim_collectives.CollectiveRecorder() as rec:
         from megatron.core import parallel_state as ps
+
+        rec.name_groups()
         from megatron.core.distributed import finalize_model_grads
 
         report["ranks"] = {"tp": ps.get_tensor_model_parallel_rank(),
@@ -105,6 +111,8 @@ def simulate_rank(cfg: RunConfig, arch: ModelArch, *, rank: int, world: int,
                                      **kwargs)
         gpt = build_model(arch, tconfig, use_te=False, pre_process=first, post_process=last,
                           fused_head=cfg.train.fused_head)
+        # on a GPU megatron builds them on the device and the trainer's place() moves the rest
+        tagger.mark_device([*gpt.parameters(), *gpt.buffers()])
         report["param_shape_problems"] = check_param_shapes(gpt, arch, tp=p.tp, ep=p.ep)
         report["num_params"] = sum(t.numel() for t in gpt.parameters())
         head = lm_head_of(gpt)
@@ -125,9 +133,12 @@ def simulate_rank(cfg: RunConfig, arch: ModelArch, *, rank: int, world: int,
             # the driver's step, split to read the activation peak before the optimizer runs
             from megatron_pdm.train.schedule import forward_backward
 
+            rec.phase = "forward"
             forward_backward(ddp, optimizer, mbs,
-                             _loss_func_of(cfg, head, seen, fake_sim.PeakTracker), pp=p.pp)
+                             _loss_func_of(cfg, head, seen, fake_sim.PeakTracker,
+                                           lambda: rec.in_phase("loss")), pp=p.pp)
             fwd_bwd_peak, fwd_bwd_top = step_peak.peak, list(step_peak.peak_top)
+            rec.phase = "optimizer"
             _, grad_norm, _ = optimizer.step()
         report["step_s"] = round(time.time() - t1, 1)
         report["bytes"] = dict(fake_sim.category_bytes(ddp, optimizer),
@@ -139,6 +150,11 @@ def simulate_rank(cfg: RunConfig, arch: ModelArch, *, rank: int, world: int,
         report["loss_inputs"] = seen
         report["stand_ins"] = {"scalar_reads": mode.scalar_reads,
                                "cuda_factories_on_cpu": mode.cuda_factories}
+        report["collectives"] = rec.grouped()
+        report["collective_groups"] = rec.groups
+        report["collective_calls"] = rec.calls
+        report["device_violations"] = tagger.report()
+        report["device_ops"] = tagger.device_ops
     return report
 
 

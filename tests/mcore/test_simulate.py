@@ -4,7 +4,9 @@ One RL optimizer step of the Qwen3-30B-A3B recipe's arguments (the real hidden s
 expert width and vocabulary; 2 layers, 8 experts, 256 tokens) on simulated rank 0 (megatron's
 output layer) and rank 3 (the fused head) of a world of 4: every parameter's shard shape, the
 loss op's input shapes (vocabulary shard 76,032 by the one padding rule) and the simulated bytes of parameters, gradients and optimizer state
-against the analytic count of megatron_pdm.layout.
+against the analytic count of megatron_pdm.layout; the collective list (the loss op's are
+all-reduces of per-token tensors over TP, docs/op.md) and no host tensor meeting a device one
+(mcore/sim_devices.py).
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ def _simulate(tmp_path, ranks: str, *extra: str) -> dict:
                "--seq-length", "256", "--micro-batch", "1", "--output-dir", str(tmp_path),
                *_recipe_args(), "--set", "parallel.tp=2", "--set", "parallel.ep=2", *extra])
     result = json.loads((tmp_path / "simulate.json").read_text())
-    assert rc == 0, [r["param_shape_problems"] + r["loss_input_problems"] for r in result["ranks"]]
+    assert rc == 0, [r["param_shape_problems"] + r["loss_input_problems"] + r["device_violations"]
+                     for r in result["ranks"]]
     assert (tmp_path / "simulate.md").exists()
     return result
 
@@ -72,10 +75,62 @@ def test_simulated_step_shapes_and_static_memory(tmp_path, monkeypatch, fused_he
         assert r["loss_inputs"]["output_tensor"] == [1, 256, width]
         if fused_head:
             assert r["loss_inputs"]["head_weight"] == [76032, arch.hidden_size]
+        assert r["device_violations"] == [], r["device_violations"]  # no host tensor met a device one
+        assert r["device_ops"] > 0
+        _check_loss_collectives(r, vocab_dims={arch.vocab_size, 152064, 76032})
+        kinds = {(c["op"], c["kind"]) for c in r["collectives"]}
+        # DDP's gradient reduce-scatter and the distributed optimizer's parameter all-gather
+        assert {("reduce_scatter_single", "DP"), ("reduce_scatter_single", "expert-DP"),
+                ("all_gather_single", "DP"), ("all_gather_single", "expert-DP"),
+                ("all_to_all_single", "EP")} <= kinds, kinds
     # world 4 = DP 2 x TP 2; EP 2 over the TP-DP ranks: rank 3 is TP rank 1, EP rank 1
     want = {"0": (0, 0, 0), "3": (1, 1, 1)}[ranks]
     r = result["ranks"][0]["ranks"]
     assert (r["tp"], r["ep"], r["dp"]) == want
+
+
+def test_simulated_pipeline_stages(tmp_path):
+    """PP 2 (world 4 = TP 2 x PP 2, EP 2): the first stage (rank 0) and the last (rank 2) run
+    megatron's 1F1B schedule, their activations and gradients sent and received over the
+    pipeline group through the fake process group."""
+    result = _simulate(tmp_path, "0,2", "--set", "parallel.pp=2")
+    first, last = result["ranks"]
+    assert (first["ranks"]["pp"], last["ranks"]["pp"]) == (0, 1)
+    assert first["loss_inputs"] == {}  # no output layer, no loss on the first stage
+    assert last["loss_inputs"]["output_tensor"] == [1, 256, 76032]
+    arch = dataclasses.replace(ModelArch.qwen3_30b_a3b(), num_layers=2, num_experts=8)
+    _check_loss_collectives(last, vocab_dims={arch.vocab_size, 152064, 76032})
+    # the hidden states between the stages and their gradient: [s / TP, b, H] bf16 (sequence
+    # parallel), sent and received over the PP group of 2 ranks; both stages send and receive
+    for r in result["ranks"]:
+        p2p = [c for c in r["collectives"] if c["op"].startswith(("isend", "irecv"))]
+        assert {c["op"].split()[0] for c in p2p} == {"isend", "irecv"}, p2p
+        for c in p2p:
+            assert (c["kind"], c["group_size"], c["shapes"], c["dtype"]) == (
+                "PP", 2, [[128, 1, 2048]], "bfloat16"), c
+    for r in result["ranks"]:
+        assert r["device_violations"] == [] and r["param_shape_problems"] == []
+
+
+def _check_loss_collectives(r: dict, *, vocab_dims: set[int]) -> None:
+    """docs/op.md's collective budget at the recipe's shapes: the loss op (inside our loss_func,
+    or called from megatron_pdm/loss/ or parallel/, forward and backward) communicates only
+    all-reduces over the TP group of per-token tensors, never a vocabulary-sized one."""
+    def of_loss(c):
+        return c["phase"] == "loss" or any(s.startswith(("megatron_pdm/loss/",
+                                                         "megatron_pdm/parallel/"))
+                                           for s in c["sites"])
+
+    loss = [c for c in r["collectives"] if of_loss(c)]
+    assert loss, "no collective of the loss op recorded (TP 2 must reduce its statistics)"
+    for c in loss:
+        assert c["op"] == "all_reduce" and c["kind"] == "TP" and c["group_size"] == 2, c
+        assert c["phase"] == "loss", c  # none in backward
+        assert not vocab_dims & {d for s in c["shapes"] for d in s}, c
+    # the two forward all-reduces: MAX of [N] and SUM of [N, S+3] (N = 256 tokens, S = the
+    # batch's 20 support slots, rollout.top_logprobs)
+    assert sorted((c["reduce_op"], tuple(c["shapes"][0]), c["count"]) for c in loss) == [
+        ("max", (256,), 1), ("sum", (256, 23), 1)], loss
 
 
 def test_shape_check_names_a_wrong_shard():
