@@ -68,7 +68,7 @@ def markdown(section: dict) -> list[str]:
     """simulate.md's sections of the plans."""
     c, k, w = section["conversion"], section["checkpoint"], section["weight_sync"]
     s = c["shards"]
-    lines = ["## Conversion plan (HF <-> megatron names and shards)", "",
+    lines = ["", "## Conversion plan (HF <-> megatron names and shards)", "",
              f"Fake model of every rank built in {section['roles_build_s']} s; checks "
              f"{c['check_s']} s.", ""]
     for layout, n in c["names"].items():
@@ -84,7 +84,8 @@ def markdown(section: dict) -> list[str]:
               f"- model part over the world: {k['model_keys']:,} keys, "
               f"{_gib(k['model_total_bytes'])}; optimizer state (distributed optimizer, by its "
               f"DP-slice rule): {_gib(k.get('optimizer_total_bytes'))}; checkpoint total "
-              f"{_gib(k.get('total_bytes'))}; problems: {len(k['problems'])}"]
+              f"{_gib(k.get('total_bytes'))} (n/a: no simulated step, or PP > 1); problems: "
+              f"{len(k['problems'])}"]
     for r in k["ranks"]:
         lines.append(f"- rank {r['rank']} writes {_gib(r['bytes']['model'])} model + "
                      f"{_gib(r['bytes']['optimizer'])} optimizer in "
