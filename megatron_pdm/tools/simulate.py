@@ -123,6 +123,10 @@ def _markdown(result: dict) -> str:
                   f"static bytes (the optimizer step included) {b['optimizer_step_peak'] / GIB:.2f} GiB",
                   f"- largest live tensors at the activation peak: " + ", ".join(
                       f"{t['op']} {t['bytes'] / GIB:.2f} GiB" for t in r["activations_peak_top"][:4]),
+                  f"- checkpoint save plan (nothing written): this rank writes "
+                  f"{r['checkpoint_plan']['bytes']['model'] / GIB:.2f} GiB model + "
+                  f"{r['checkpoint_plan']['bytes']['optimizer'] / GIB:.2f} GiB optimizer state; "
+                  f"problems: {len(r['checkpoint_plan']['optimizer_problems'])}",
                   f"- stand-ins: {r['stand_ins']['scalar_reads']} host scalar reads answered by a "
                   f"placeholder, {r['stand_ins']['cuda_factories_on_cpu']} device='cuda' "
                   "factories made on CPU", ""]

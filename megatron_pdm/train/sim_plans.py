@@ -84,8 +84,9 @@ def markdown(section: dict) -> list[str]:
               f"- model part over the world: {k['model_keys']:,} keys, "
               f"{_gib(k['model_total_bytes'])}; optimizer state (distributed optimizer, by its "
               f"DP-slice rule): {_gib(k.get('optimizer_total_bytes'))}; checkpoint total "
-              f"{_gib(k.get('total_bytes'))} (n/a: no simulated step, or PP > 1); problems: "
-              f"{len(k['problems'])}"]
+              f"{_gib(k.get('total_bytes'))}"
+              + ("" if k.get("total_bytes") else " (no simulated step, or PP > 1)")
+              + f"; problems: {len(k['problems'])}"]
     for r in k["ranks"]:
         lines.append(f"- rank {r['rank']} writes {_gib(r['bytes']['model'])} model + "
                      f"{_gib(r['bytes']['optimizer'])} optimizer in "
