@@ -60,14 +60,7 @@ def save_checkpoint(save_dir: str, iteration: int, ddp_model, optimizer, train_s
         files.prepare_tmp(save_dir, iteration)
         hook("tmp")
     dist.barrier()  # the temporary directory exists before any rank writes into it
-    model_sd = _model_sd(ddp_model)
-    metadata = mopt.DIST_OPT_METADATA if mopt.uses_distributed_optimizer(optimizer) else None
-    with_optimizer = has_optimizer_state(optimizer)
-    state = {"model": model_sd, "train_state": train_state, "optimizer_saved": with_optimizer}
-    if with_optimizer:
-        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=False,
-                                                          metadata=metadata)
-    dist_checkpointing.save(state, tmp)
+    dist_checkpointing.save(checkpoint_state(ddp_model, optimizer, train_state), tmp)
     dist.barrier()  # every rank's shards are written before rank 0 digests them
     path = os.path.join(save_dir, files.ckpt_name(iteration))
     if dist.get_rank() == 0:
@@ -78,6 +71,19 @@ def save_checkpoint(save_dir: str, iteration: int, ddp_model, optimizer, train_s
     dist.barrier()  # no rank returns before the checkpoint is published
     logger.info("saved checkpoint %s", path)
     return path
+
+
+def checkpoint_state(ddp_model, optimizer, train_state: dict) -> dict:
+    """The sharded state dict `save_checkpoint` writes: the model's, the optimizer's (once it has
+    state) and the common entries (the simulation plans the same dict: mcore/ckpt_plan.py)."""
+    model_sd = _model_sd(ddp_model)
+    metadata = mopt.DIST_OPT_METADATA if mopt.uses_distributed_optimizer(optimizer) else None
+    with_optimizer = has_optimizer_state(optimizer)
+    state = {"model": model_sd, "train_state": train_state, "optimizer_saved": with_optimizer}
+    if with_optimizer:
+        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=False,
+                                                          metadata=metadata)
+    return state
 
 
 def has_optimizer_state(optimizer) -> bool:

@@ -12,9 +12,11 @@ rule) and writes `simulate.json` and `simulate.md` to `--output-dir`: per rank t
 parameters, gradient buffers, optimizer state and the activation peak beside `--dry-run`'s
 estimate (megatron_pdm.layout, local layer spec: the one simulated), the parameter and loss-input
 shape checks, the stand-ins used, every collective (grouped in the json and the md, call by call
-in `collectives.csv`: mcore/sim_collectives.py) and the device violations (a host tensor
-meeting a device one: mcore/sim_devices.py). Exit code 1 when a shape check fails or a device
-violation is found. docs/simulate.md says
+in `collectives.csv`: mcore/sim_collectives.py), the device violations (a host tensor meeting a
+device one: mcore/sim_devices.py) and each rank's checkpoint save plan; with `--convert-plan`
+also the conversion plan, the checkpoint's coverage and the weight-sync bucket plan of the whole
+world (train/sim_plans.py). Exit code 1 when a shape or plan check fails or a device violation
+is found. docs/simulate.md says
 what this proves and what it cannot.
 """
 
@@ -30,6 +32,7 @@ import time
 from megatron_pdm import layout
 from megatron_pdm.hostinfo import cpu_model
 from megatron_pdm.train import dry_run
+from megatron_pdm.train import sim_plans
 from megatron_pdm.train import simulate as sim
 from megatron_pdm.train.config import RunConfig
 
@@ -54,6 +57,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--microbatches", type=int, default=1,
                    help="micro-batches in the simulated step (default 1; with PP 1 the peak "
                         "does not grow with more)")
+    p.add_argument("--convert-plan", action="store_true",
+                   help="also build the fake model of every rank of the world and check the "
+                        "converter's name and shard mapping, the checkpoint's coverage and the "
+                        "weight-sync bucket plan (train/sim_plans.py)")
+    p.add_argument("--no-step", action="store_true",
+                   help="with --convert-plan: skip the simulated step (no per-rank memory or "
+                        "optimizer save plan)")
     p.add_argument("--output-dir", default=None, help="write simulate.json / simulate.md here")
     return p
 
@@ -116,6 +126,10 @@ def _markdown(result: dict) -> str:
                   f"static bytes (the optimizer step included) {b['optimizer_step_peak'] / GIB:.2f} GiB",
                   f"- largest live tensors at the activation peak: " + ", ".join(
                       f"{t['op']} {t['bytes'] / GIB:.2f} GiB" for t in r["activations_peak_top"][:4]),
+                  f"- checkpoint save plan (nothing written): this rank writes "
+                  f"{r['checkpoint_plan']['bytes']['model'] / GIB:.2f} GiB model + "
+                  f"{r['checkpoint_plan']['bytes']['optimizer'] / GIB:.2f} GiB optimizer state; "
+                  f"problems: {len(r['checkpoint_plan']['optimizer_problems'])}",
                   f"- stand-ins: {r['stand_ins']['scalar_reads']} host scalar reads answered by a "
                   f"placeholder, {r['stand_ins']['cuda_factories_on_cpu']} device='cuda' "
                   "factories made on CPU", ""]
@@ -183,16 +197,19 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("simulate: set rollout.max_sequence_length or --seq-length")
     est = dry_run_estimate(cfg, arch, lay, micro=micro, seq=seq)
     t0 = time.time()
-    ranks, failed = [], False
-    for rank in [int(r) for r in args.ranks.split(",")]:
+    ranks, failed, own_records = [], False, {}
+    if args.no_step and not args.convert_plan:
+        raise SystemExit("simulate: --no-step only with --convert-plan")
+    for rank in [] if args.no_step else [int(r) for r in args.ranks.split(",")]:
         r = sim.simulate_rank(cfg, arch, rank=rank, world=args.world, micro_batch=micro,
                               seq_length=seq, microbatches=args.microbatches)
         r["loss_input_problems"] = sim.check_loss_inputs(
             r, arch, tp=p.tp, micro_batch=micro, seq_length=seq, fused_head=cfg.train.fused_head)
         r["dry_run_params"] = est["params"]
         r["compare"] = compare(r, est)
+        own_records[rank] = r["checkpoint_plan"].pop("model_records")
         failed |= bool(r["param_shape_problems"] or r["loss_input_problems"]
-                       or r["device_violations"])
+                       or r["device_violations"] or r["checkpoint_plan"]["optimizer_problems"])
         ranks.append(r)
         print(f"rank {rank}: " + ", ".join(f"{row['category']} {row['simulated'] / GIB:.2f} GiB "
                                            f"(dry-run {row['dry_run'] / GIB:.2f})"
@@ -202,6 +219,14 @@ def main(argv: list[str] | None = None) -> int:
         for v in r["device_violations"]:
             print(f"rank {rank}: DEVICE {v['count']}x {v['what']} at {v['project_frame']} "
                   f"(innermost: {v['caller']})", flush=True)
+        for problem in r["checkpoint_plan"]["optimizer_problems"]:
+            print(f"rank {rank}: CHECKPOINT {problem}", flush=True)
+    plan_section = None
+    if args.convert_plan:
+        plan_section = sim_plans.plans(cfg, arch, args.world, ranks, own_records)
+        for problem in sim_plans.problems(plan_section):
+            print(f"PLAN {problem}", flush=True)
+        failed |= bool(sim_plans.problems(plan_section))
     result = {"recipe": args.config, "command": "megatron-pdm-simulate " + " ".join(
                   sys.argv[1:] if argv is None else argv),
               "machine": f"{cpu_model()}, {os.cpu_count()} cores, "
@@ -212,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
               "num_layers": arch.num_layers, "num_experts": arch.num_experts,
               "vocab_size": arch.vocab_size, "padded_vocab": lay.padded_vocab_size,
               "vocab_shard": lay.padded_vocab_size // p.tp, "dry_run": est, "ranks": ranks}
+    if plan_section is not None:
+        result["plans"] = plan_section
     if args.output_dir:
         os.makedirs(args.output_dir, exist_ok=True)
         _write_calls(os.path.join(args.output_dir, "collectives.csv"), ranks)
@@ -221,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(os.path.join(args.output_dir, "simulate.json"), "w") as f:
             json.dump(result, f, indent=1)
         with open(os.path.join(args.output_dir, "simulate.md"), "w") as f:
-            f.write(_markdown(result))
+            f.write(_markdown(result) + ("\n".join(sim_plans.markdown(plan_section))
+                                         if plan_section is not None else ""))
     return 1 if failed else 0
 
 

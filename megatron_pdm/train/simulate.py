@@ -9,8 +9,8 @@ length with a top-K support of `rollout.top_logprobs` ids through the driver's s
 `loss_adapter.make_loss_func`, `finalize_model_grads`, the optimizer step), and returns a dict:
 the per-category bytes of the rank (parameters, gradient buffers, optimizer main params and Adam
 state, the peak of activations + temporaries during forward/backward, the loss op's own peak),
-the parameter shape check (`mcore/sim_shapes.py`), the shapes the loss op received, and the
-stand-ins' counters.
+the parameter shape check (`mcore/sim_shapes.py`), the shapes the loss op received, the
+stand-ins' counters and the checkpoint save plan after the step (`mcore/ckpt_plan.py`).
 
 Not simulated: values (every number is a placeholder), kernels (the local layer spec runs, never
 Transformer Engine; FP8 is refused), NCCL (collectives are no-ops of the fake process group).
@@ -25,7 +25,7 @@ import time
 import torch
 
 from megatron_pdm.arch import ModelArch
-from megatron_pdm.mcore import fake_sim
+from megatron_pdm.mcore import ckpt_plan, fake_sim
 from megatron_pdm.mcore import loss_adapter
 from megatron_pdm.mcore import optimizer as mopt
 from megatron_pdm.mcore import sim_collectives, sim_devices
@@ -141,6 +141,8 @@ def simulate_rank(cfg: RunConfig, arch: ModelArch, *, rank: int, world: int,
             rec.phase = "optimizer"
             _, grad_norm, _ = optimizer.step()
         report["step_s"] = round(time.time() - t1, 1)
+        # the checkpoint Trainer.save would write after this step, planned, not written
+        report["checkpoint_plan"] = ckpt_plan.plan_rank(ddp, optimizer, rank=rank)
         report["bytes"] = dict(fake_sim.category_bytes(ddp, optimizer),
                                activations_peak=fwd_bwd_peak,
                                optimizer_step_peak=step_peak.peak,

@@ -71,6 +71,15 @@ def test_simulated_step_shapes_and_static_memory(tmp_path, monkeypatch, fused_he
         got = b["optimizer_main_params"] + b["optimizer_adam_state"]
         assert want <= got <= want * 1.01, (got, want)
         assert b["activations_peak"] > 0
+        # the checkpoint Trainer.save would write after the step (mcore/ckpt_plan.py): rank 0
+        # (DP rank 0, expert-DP rank 0) holds the main replica of every tensor it has and writes
+        # them all; rank 3 (DP rank 1, expert-DP rank 1) holds replicas only and writes no model
+        # bytes (megatron's save writes main replicas; no fully-parallel save wrapper)
+        cp = r["checkpoint_plan"]
+        want_model = b["parameters"] if r["rank"] == 0 else 0
+        assert cp["optimizer_problems"] == [] and cp["bytes"]["model"] == want_model
+        # fp32 main params + Adam moments, without the buckets' DP padding
+        assert 0.99 * got <= cp["bytes"]["optimizer"] <= got, (cp["bytes"], got)
         width = arch.hidden_size if fused_head else 76032
         assert r["loss_inputs"]["output_tensor"] == [1, 256, width]
         if fused_head:

@@ -49,6 +49,14 @@ from megatron_pdm.train.rollout.server import ServerRollout, capture, share_from
 logger = logging.getLogger(__name__)
 
 
+def push_dtype_name(cfg) -> str:
+    """The weight sync's dtype: bf16 for rollout_precision bf16/fp8 (fp8 servers quantise on
+    load), else the training dtype (the simulation's bucket plan uses the same rule)."""
+    if cfg.rollout.rollout_precision in ("bf16", "fp8"):
+        return "bf16"
+    return cfg.precision.params_dtype
+
+
 class SGLangRollout(ServerRollout):
     """Rank 0 talks to SGLang; every rank receives the same `RolloutBatch` (server.py)."""
 
@@ -58,10 +66,7 @@ class SGLangRollout(ServerRollout):
         self.root = os.path.abspath(r.hf_checkpoint) if r.hf_checkpoint else None
         self.meta_base = meta or {}
         self.load_dir = cfg.checkpoint.load_dir
-        if r.rollout_precision in ("bf16", "fp8"):
-            self.export_dtype = "bf16"
-        else:
-            self.export_dtype = cfg.precision.params_dtype
+        self.export_dtype = push_dtype_name(cfg)
         self.push_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[self.export_dtype]
         self.sender = None
         self.last_push: dict = {}
