@@ -33,7 +33,7 @@ from megatron_pdm.mcore import ckpt_plan, fake_sim
 from megatron_pdm.mcore.model import build_model, transformer_config
 from megatron_pdm.train import model_setup as ms
 from megatron_pdm.train.config import RunConfig
-from megatron_pdm.train.sglang_rollout import push_dtype_name
+from megatron_pdm.train.rollout.sglang import push_dtype_name
 
 
 def _role(cfg: RunConfig, arch: ModelArch, rank: int) -> dict:

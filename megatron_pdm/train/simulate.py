@@ -34,7 +34,6 @@ from megatron_pdm.mcore.model import build_model, transformer_config
 from megatron_pdm.mcore.sim_shapes import check_param_shapes
 from megatron_pdm.train import model_setup as ms
 from megatron_pdm.train.config import RunConfig
-from megatron_pdm.train.schedule import optimizer_step
 from rollout_bridge.core.types import PackedBatch
 
 
