@@ -91,15 +91,22 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+GREEDY = "greedy held-out accuracy"
+
+
 def plot(records: list[dict], path: str) -> None:
-    """Seed-mean curves: one row of panels per setting (reward, sampled KL, entropy, grad norm)."""
+    """Seed-mean curves: one row of panels per setting (reward, sampled KL, entropy, grad norm,
+    and the held-out greedy accuracy when a record has it between the ends:
+    train.eval_interval)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     settings = sorted({r["setting"] for r in records})
-    panels = ("reward", "sampled_kl_first_step", "entropy", "grad_norm")
+    panels = ["reward", "sampled_kl_first_step", "entropy", "grad_norm"]
+    if any(len(r.get("greedy_by_iteration", {})) > 2 for r in records):
+        panels.append(GREEDY)
     fig, axes = plt.subplots(len(settings), len(panels), squeeze=False,
                              figsize=(4 * len(panels), 2.6 * len(settings)))
     for i, setting in enumerate(settings):
@@ -107,8 +114,15 @@ def plot(records: list[dict], path: str) -> None:
         for j, panel in enumerate(panels):
             ax = axes[i][j]
             for method in methods:
-                cs = [r["curves"][panel] for r in records
-                      if r["setting"] == setting and r["method"] == method]
+                mine = [r for r in records if r["setting"] == setting and r["method"] == method]
+                if panel == GREEDY:  # seed mean at the iterations every seed evaluated
+                    its = sorted(set.intersection(*(set(r.get("greedy_by_iteration", {}))
+                                                    for r in mine)), key=int)
+                    ax.plot([int(i) for i in its],
+                            [fmean(r["greedy_by_iteration"][i] for r in mine) for i in its],
+                            marker=".", label=method)
+                    continue
+                cs = [r["curves"][panel] for r in mine]
                 n = min(len(c) for c in cs)
                 ax.plot([fmean(c[t] for c in cs) for t in range(n)], label=method)
             ax.set_title(f"{setting}: {panel}", fontsize=8)

@@ -99,6 +99,8 @@ def run_record(run_dir: str, cell, *, wall_s: float) -> dict:
            "grad_norm_end": _window_mean(c["grad_norm"], True)}
     return {"cell": cell.name, "method": cell.method, "setting": cell.setting, "seed": cell.seed,
             "preset": s.get("preset"), "wall_s": wall_s, "end": end, "curves": c,
+            # train.eval_interval's held-out curve (iteration -> accuracy; ends only without it)
+            "greedy_by_iteration": s.get("greedy_acc_by_iteration", {}),
             "collapse": collapse(rows, c, before, after),
             "measured": {"staleness_max": max(c["staleness"], default=float("nan")),
                          "steps_per_batch": max(c["steps_per_batch"], default=float("nan"))}}

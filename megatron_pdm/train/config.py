@@ -156,6 +156,11 @@ class TrainConfig:
     adam_beta2: float = 0.99
     eval_prompts: int = 256
     """Held-out prompts for the greedy exact-match evaluation before/after warm-up and RL."""
+    eval_interval: int = 0
+    """Also evaluate after every `eval_interval`-th RL iteration (0: before and after RL only).
+    The accuracies are `summary.json`'s `greedy_acc_by_iteration` (RL iteration -> accuracy, 0
+    = before RL) and tensorboard's `eval/greedy_acc_rl_iter<k>`. Evaluations use their own
+    seeded generation, so they leave the training run unchanged."""
     recompute: Literal["none", "full", "selective"] = "none"
     """Activation recomputation: "none", "full" (every layer, uniform) or "selective"
     (core attention)."""
@@ -170,7 +175,7 @@ class TrainConfig:
         check_positive("train", self, "iterations", "minibatches_per_iteration",
                        "microbatches_per_minibatch", "lr", "epochs_per_batch")
         check_positive("train", self, "weight_decay", "clip_grad", "eval_prompts",
-                       "lr_warmup_steps", allow_zero=True)
+                       "lr_warmup_steps", "eval_interval", allow_zero=True)
         for name in ("adam_beta1", "adam_beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"train.{name}={getattr(self, name)} must be in [0, 1)")

@@ -142,6 +142,18 @@ def _mean(xs):
     return sum(xs) / len(xs) if xs else float("nan")
 
 
+def greedy_by_iteration(evals: dict, iterations: int) -> dict[str, float]:
+    """RL iteration -> greedy accuracy: "0" before RL, "<k>" after iteration k (the
+    `train.eval_interval` evaluations, named "rl_iter<k>"), `iterations` after RL."""
+    out = {int(name.removeprefix("rl_iter")): v for name, v in evals.items()
+           if name.startswith("rl_iter")}
+    if "before_rl" in evals:
+        out[0] = evals["before_rl"]
+    if "after_rl" in evals:
+        out[iterations] = evals["after_rl"]
+    return {str(k): out[k] for k in sorted(out)}
+
+
 def summarize(rows: list[dict], evals: dict, wall_s: float, window: int = 10) -> dict:
     rewards = iteration_rewards(rows)
     w = max(1, min(window, len(rewards) // 2 or 1))
@@ -156,6 +168,7 @@ def summarize(rows: list[dict], evals: dict, wall_s: float, window: int = 10) ->
         "greedy_acc_before_warmup": evals.get("before_warmup", float("nan")),
         "greedy_acc_before_rl": evals.get("before_rl", float("nan")),
         "greedy_acc_after_rl": evals.get("after_rl", float("nan")),
+        "greedy_acc_by_iteration": greedy_by_iteration(evals, len(rewards)),
         "masked_frac_mean": _mean([r.get("pdm/masked_frac") for r in rows]),
         "abs_prob_diff_mean": _mean([r.get("pdm/abs_prob_diff") for r in rows]),
         "abs_logprob_diff_mean": _mean([r.get("mismatch/abs_logprob_diff") for r in rows]),
@@ -166,6 +179,8 @@ def summarize(rows: list[dict], evals: dict, wall_s: float, window: int = 10) ->
 def format_table(summary: dict) -> str:
     lines = ["| metric | value |", "|---|---|"]
     for k, v in summary.items():
+        if isinstance(v, dict):  # greedy_acc_by_iteration: "it: acc, ..."
+            v = ", ".join(f"{i}: {a:.3f}" for i, a in v.items()) or "-"
         lines.append(f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |")
     return "\n".join(lines)
 

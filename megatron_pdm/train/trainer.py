@@ -340,6 +340,10 @@ class Trainer:
             row = self.rl_iteration(writer)
             progress.update(row[M.REWARD_MEAN], row.get(M.MASKED_FRAC, float("nan")),
                             row.get(M.ABS_LOGPROB_DIFF, float("nan")))
+            k = cfg.train.eval_interval
+            if k > 0 and self.iteration % k == 0 and self.iteration < cfg.train.iterations:
+                with self.feed.aside():  # the run's next rollouts as without this evaluation
+                    self.evaluate(f"rl_iter{self.iteration}")  # the last: "after_rl" below
             if every > 0 and self.iteration % every == 0 and self.iteration < cfg.train.iterations:
                 self.save()
         progress.close()

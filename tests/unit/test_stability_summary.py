@@ -88,3 +88,37 @@ def test_primary_outcome_is_its_own_holm_family():
                   primary="greedy_acc_after_rl")
     with pytest.raises(ValueError, match="unknown outcome"):
         S.compare(recs, baseline="no-trust-region", outcomes=("accuracy",))
+
+
+def test_greedy_by_iteration_orders_the_evaluations_and_the_table_prints_them():
+    from megatron_pdm.train import report
+
+    evals = {"before_warmup": 0.1, "before_rl": 0.2, "rl_iter8": 0.3, "rl_iter4": 0.25,
+             "after_rl": 0.35, "warmup_steps": 40.0}
+    by_it = report.greedy_by_iteration(evals, 12)
+    assert list(by_it.items()) == [("0", 0.2), ("4", 0.25), ("8", 0.3), ("12", 0.35)]
+    assert report.greedy_by_iteration({"before_rl": 0.2}, 3) == {"0": 0.2}
+    row = [r for r in report.format_table({"greedy_acc_by_iteration": by_it}).splitlines()
+           if r.startswith("| greedy_acc_by_iteration")]
+    assert row == ["| greedy_acc_by_iteration | 0: 0.200, 4: 0.250, 8: 0.300, 12: 0.350 |"]
+
+
+def test_stability_plot_has_the_greedy_panel_only_with_mid_run_evaluations(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from megatron_pdm.stability import report as srep
+
+    titles: list[str] = []
+    monkeypatch.setattr(plt.Figure, "savefig", lambda fig, *a, **k: titles.extend(
+        ax.get_title() for ax in fig.axes))
+    curves = {k: [0.1, 0.2, 0.3] for k in ("reward", "sampled_kl_first_step", "entropy",
+                                          "grad_norm")}
+    rec = {"setting": "base", "method": "pdm-agg", "curves": curves,
+           "greedy_by_iteration": {"0": 0.2, "3": 0.3}}
+    srep.plot([rec], str(tmp_path / "a.png"))
+    assert not any("greedy" in t for t in titles)
+    titles.clear()
+    srep.plot([dict(rec, greedy_by_iteration={"0": 0.2, "1": 0.25, "2": 0.2, "3": 0.3})],
+              str(tmp_path / "b.png"))
+    assert "base: " + srep.GREEDY in titles

@@ -19,6 +19,7 @@ uninterrupted run would have; no generation is ever pending at a checkpoint.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 from megatron_pdm.train.rollout import store
 
@@ -54,6 +55,17 @@ class RolloutFeed:
         """Collective: `n` samples for each problem, now."""
         return self.rollout.generate([self.task.prompt_ids(q) for q in problems],
                                      sampling_params(self.task, temperature), n)
+
+    @contextmanager
+    def aside(self):
+        """Context: generations inside it leave the rollout's sampling state (the seeds of the
+        next rollouts) as it was, so a mid-run evaluation (`train.eval_interval`) does not
+        change the training run. Only between iterations: no overlapped batch is in flight."""
+        state = self.rollout.sampling_state()
+        try:
+            yield
+        finally:
+            self.rollout.restore_sampling_state(state)
 
     def iteration_batch(self, iteration: int) -> tuple[list, object]:
         """(problems, batch) of `iteration`; with overlap, also submits the next one."""

@@ -131,6 +131,14 @@ class LocalRollout:
     def state_dict(self) -> dict:
         return self.engine.state_dict()
 
+    def sampling_state(self) -> dict:
+        """What seeds the next samples (the engine's call counter); `restore_sampling_state`
+        puts it back. Weights are not part of it."""
+        return self.engine.state_dict()
+
+    def restore_sampling_state(self, state: dict) -> None:
+        self.engine.load_state_dict(state)
+
     def load_state_dict(self, state: dict) -> None:
         if self.staleness:
             raise ValueError(f"rollout.staleness={self.staleness}: the queue of old weight "

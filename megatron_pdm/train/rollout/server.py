@@ -155,6 +155,14 @@ class ServerRollout:
     def state_dict(self) -> dict:
         return {"version": self.version}
 
+    def sampling_state(self):
+        """What seeds the next requests: nothing here (the server seeds its own sampling);
+        VLLMRollout keeps its client's request-seed counter."""
+        return None
+
+    def restore_sampling_state(self, state) -> None:
+        pass
+
     def load_state_dict(self, state: dict) -> None:
         # After a resume the trainer pushes its restored weights again (same version string).
         self.version = state.get("version")

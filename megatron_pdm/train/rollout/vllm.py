@@ -102,6 +102,13 @@ class VLLMRollout(ServerRollout):
             state["client"] = self.client.state_dict()
         return state
 
+    def sampling_state(self):
+        return None if self.client is None else self.client.state_dict()  # rank 0's counter
+
+    def restore_sampling_state(self, state) -> None:
+        if self.client is not None and state is not None:
+            self.client.load_state_dict(state)
+
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         if self.client is not None and state.get("client") is not None:
