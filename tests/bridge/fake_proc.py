@@ -1,4 +1,4 @@
-"""Start tests/bridge/fake_sglang.py as its own process (127.0.0.1, free port), stop it by PID.
+"""Start the fake SGLang server (tests/bridge/fake_sglang_cli.py) as its own process (127.0.0.1, free port), stop it by PID.
 
 Used where the server must be another process: a weight-update group needs one process per rank
 (torch registers process groups by name per process), and the driver tests run the trainer under
@@ -15,7 +15,7 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-FAKE = os.path.join(ROOT, "tests", "bridge", "fake_sglang.py")
+FAKE = os.path.join(ROOT, "tests", "bridge", "fake_sglang_cli.py")
 
 
 def sglang_pythonpath(version: str) -> str | None:

@@ -25,22 +25,17 @@ GPU.
 Faults: `server.fault_fn(body, call_no) -> Fault | None` is called for every /generate request.
 `parse_rid` recovers (prompt, sample, attempt) from the client's request ids.
 
-CLI (the driver tests start it as a process): `python tests/bridge/fake_sglang.py --hf-dir DIR
---port-file F [--log-file L] [--api-key-env VAR] [--receiver auto|mirror|sglang]`. The log gets
-each call (but /generate) as one JSON line before the call is answered; the /generate count goes
-to L.generate every 0.2 s and when the server stops.
+The answers to one item and the fault model: tests/bridge/fake_sglang_answers.py. The CLI that
+the driver tests start as a process: tests/bridge/fake_sglang_cli.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
-import re
 import sys
 import threading
 import time
-import zlib
 from collections.abc import Callable
 
 import orjson
@@ -51,45 +46,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import sglang_format as fmt
 import sglang_rules as rules
-from fake_models import HFModelEngine, load_named
+from fake_models import load_named
 
 from rollout_bridge import LocalEngine
 from rollout_bridge.sglang.http import ROUTES
 from rollout_bridge.core.weights import state_digest
 
-_RID = re.compile(r"-p(\d+)-s(\d+)-a(\d+)")
-
-
-def parse_rid(rid: str) -> tuple[int, int, int]:
-    """(prompt_index, sample_index, attempt) from an `SGLangEngine` request id."""
-    m = _RID.search(rid)
-    if m is None:
-        raise ValueError(rid)
-    return int(m.group(1)), int(m.group(2)), int(m.group(3))
-
-
-@dataclasses.dataclass
-class Fault:
-    """Fault for one /generate request.
-
-    Attributes:
-        kind: None, "delay" (sleep delay_s first), "http500", "http400", "drop" (close the
-            connection without a response), "malformed" (truncated JSON body), "not_list" (an
-            object instead of the batch list).
-        delay_s: Sleep before answering (any kind).
-        abort_items: Sample indices (from the rid; else item positions) answered with
-            finish_reason abort (partial output).
-        ragged_items: Sample indices whose top-K lists are shortened at some positions.
-        corrupt_items: Sample indices whose output_ids disagree with output_token_logprobs.
-        inf_items: Sample indices whose first top-K logprob is +inf.
-    """
-
-    kind: str | None = None
-    delay_s: float = 0.0
-    abort_items: tuple[int, ...] = ()
-    ragged_items: tuple[int, ...] = ()
-    corrupt_items: tuple[int, ...] = ()
-    inf_items: tuple[int, ...] = ()
+from fake_sglang_answers import Fault, generated, parse_rid, scored  # noqa: F401 (re-exported)
 
 
 class FakeSGLangServer:
@@ -383,145 +346,10 @@ class FakeSGLangServer:
             except ValueError:
                 key = i
             if int(params.get("max_new_tokens", 128)) == 0:
-                obj = self._score(prompt, params, body, rids[i])
+                obj = scored(self, prompt, params, body, rids[i])
             else:
-                obj = self._one(prompt, params, body, rids[i], fault, key)
+                obj = generated(self, prompt, params, body, rids[i], fault, key)
             out.append(fmt.response_object(obj[0], obj[1],
                                            e2e_latency=time.perf_counter() - start,
                                            sent_ts=time.time()))
         return out[0] if single else out
-
-    def _one(self, prompt: list[int], params: dict, body: dict, rid: str, fault: Fault,
-             key: int) -> tuple[list[int], dict]:
-        k = int(body.get("top_logprobs_num") or 0)
-        gen_params = {p: v for p, v in params.items() if p != "n"}
-        with self._lock:
-            if self.deterministic_seeds:
-                self.engine._calls = zlib.crc32(repr((list(prompt), key)).encode())
-            saved_k = self.engine.top_logprobs
-            self.engine.top_logprobs = max(k, 0)
-            try:
-                s = self.engine.generate([prompt], gen_params, n=1).samples[0]
-            finally:
-                self.engine.top_logprobs = saved_k
-        resp = s.response_ids.tolist()
-        lp = s.behavior_logprob.tolist()
-        t = len(resp)
-        finish = fmt.finish_stop(resp[-1]) if s.finish_reason == "stop" else fmt.finish_length(t)
-        # the engine's raw top-K (the first K slots of the folded support, invalid slots dropped)
-        ids_ts, lp_ts = s.support_ids.tolist(), s.support_logprobs.tolist()
-        top_v = [lp_ts[q][:k] for q in range(t)]
-        top_i = [ids_ts[q][:k] for q in range(t)]
-        if key in fault.abort_items:
-            cut = t // 2
-            resp, lp, top_v, top_i, t = resp[:cut], lp[:cut], top_v[:cut], top_i[:cut], cut
-            finish = fmt.finish_abort()
-        if key in fault.ragged_items and k:
-            for q in range(0, t, 3):
-                keep = max(0, k - 1 - q % 4)
-                top_v[q], top_i[q] = top_v[q][:keep], top_i[q][:keep]
-        if key in fault.inf_items and k and t:
-            top_v[0] = [float("inf")] + top_v[0][1:]
-        output_ids = list(resp)
-        if key in fault.corrupt_items and t:
-            output_ids[-1] = (output_ids[-1] + 1) % self.engine.vocab_size
-        meta = fmt.meta_info(rid=rid, finish_reason=finish, prompt_tokens=len(prompt),
-                             weight_version=self.engine.weight_version(), request=body,
-                             out_lp=lp, out_ids=resp, out_top_v=top_v, out_top_i=top_i,
-                             completion_tokens=t)
-        return output_ids, meta
-
-    def _score(self, input_ids: list[int], params: dict, body: dict, rid: str
-               ) -> tuple[list[int], dict]:
-        """Prefill-only request: prompt rows from logprob_start_len (a null row first), the
-        untempered log_softmax like SGLang's prompt side (logprob_processor.py:734)."""
-        k = int(body.get("top_logprobs_num") or 0)
-        with self._lock:
-            lp_lv = self.engine.score(input_ids, 1.0)  # row q: distribution of token q+1
-        start = body.get("logprob_start_len")
-        length = len(input_ids)
-        start = length if start is None or start < 0 else int(start)
-        if start >= length:  # SGLang's scheduler aborts such a request (scheduler.py:3275)
-            meta = fmt.meta_info(rid=rid, finish_reason=fmt.finish_abort(
-                "logprob_start_len is larger than the input length"), prompt_tokens=length,
-                weight_version=self.engine.weight_version(), request=body)
-            return [], meta
-        tok = torch.as_tensor(input_ids, dtype=torch.int64)
-        row_vals, top_v, top_i = {}, {}, {}
-        for q in range(start + 1, length):
-            dist_v = lp_lv[q - 1]
-            row_vals[q] = float(dist_v[tok[q]])
-            if k:
-                vals, idx = torch.topk(dist_v, k)
-                top_v[q], top_i[q] = vals.tolist(), idx.tolist()
-        tv, ti, trv, tri = fmt.prompt_rows(input_ids, start, row_vals, None, top_v if k else None,
-                                           top_i if k else None)
-        meta = fmt.meta_info(rid=rid, finish_reason=fmt.finish_length(0), prompt_tokens=length,
-                             weight_version=self.engine.weight_version(), request=body,
-                             in_lp=tv, in_ids=ti, in_top_v=trv, in_top_i=tri)
-        return [], meta
-
-
-def main(argv=None) -> None:
-    """Serve until SIGTERM/SIGINT; one JSON line per control call in --log-file."""
-    import argparse
-    import os
-    import signal
-
-    parser = argparse.ArgumentParser(description="fake SGLang server (HF model dir or TinyLM)")
-    parser.add_argument("--hf-dir", default=None)
-    parser.add_argument("--tiny-lm", action="store_true", help="serve tests/bridge TinyLM")
-    parser.add_argument("--port-file", required=True)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--log-file", default=None, help="append one JSON line per control call")
-    parser.add_argument("--api-key-env", default=None, help="env var holding --api-key")
-    parser.add_argument("--receiver", default="auto", choices=("auto", "mirror", "sglang"))
-    parser.add_argument("--discard-weights", action="store_true", help="receive, don't load")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    if args.tiny_lm:
-        from conftest import VOCAB, TinyLM
-
-        engine = LocalEngine(TinyLM(), vocab_size=VOCAB, top_logprobs=5, seed=args.seed,
-                             eos_token_id=3)
-        model_path = "tiny-lm"
-    else:
-        engine = HFModelEngine(args.hf_dir, seed=args.seed)
-        model_path = args.hf_dir
-    key = os.environ.get(args.api_key_env) if args.api_key_env else None
-    server = FakeSGLangServer(engine, model_path=model_path, api_key=key, receiver=args.receiver)
-    server.deterministic_seeds = True
-    server.discard_weights = args.discard_weights
-    if args.receiver == "sglang":  # import sglang's WeightUpdater before serving (slow import)
-        from sglang_receiver import make_receiver
-
-        server.receiver = make_receiver("sglang")
-    if args.log_file:  # before the server answers anything
-        server.call_log_fd = os.open(args.log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
-    server.start()
-    tmp = args.port_file + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(str(server.port))
-    os.replace(tmp, args.port_file)
-    print(f"fake SGLang server on {server.url}", flush=True)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *a: stop.set())
-
-    def flush():
-        if args.log_file:  # /generate requests are counted, not logged (they are many)
-            with open(args.log_file + ".generate.tmp", "w") as f:
-                f.write(str(server.num_generate))
-            os.replace(args.log_file + ".generate.tmp", args.log_file + ".generate")
-
-    try:
-        while not stop.wait(0.2):
-            flush()
-    except KeyboardInterrupt:
-        pass
-    flush()
-    server.stop()
-    os._exit(0)
-
-
-if __name__ == "__main__":
-    main()

@@ -65,7 +65,7 @@ class _Server:
         env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
                    PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         self.proc = subprocess.Popen(
-            [sys.executable, os.path.join(ROOT, "tests", "bridge", "fake_sglang.py"),
+            [sys.executable, os.path.join(ROOT, "tests", "bridge", "fake_sglang_cli.py"),
              "--hf-dir", str(hf_dir), "--port-file", self.port_file, "--seed", "7",
              "--log-file", self.log_file], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE, text=True)
