@@ -15,8 +15,10 @@ shape checks, the stand-ins used, every collective (grouped in the json and the 
 in `collectives.csv`: mcore/sim_collectives.py), the device violations (a host tensor meeting a
 device one: mcore/sim_devices.py) and each rank's checkpoint save plan; with `--convert-plan`
 also the conversion plan, the checkpoint's coverage and the weight-sync bucket plan of the whole
-world (train/sim_plans.py). Exit code 1 when a shape or plan check fails or a device violation
-is found. docs/simulate.md says
+world (train/sim_plans.py). An FP8 recipe runs with the stand-ins of mcore/sim_fp8.py (TE's FP8
+GEMM shape rule on the layers' linears, TE's FP8 weight copies as their own memory category). The
+packed length is padded by the driver's rule (`model_setup.seq_multiple`). Exit code 1 when a
+shape, FP8 GEMM or plan check fails or a device violation is found. docs/simulate.md says
 what this proves and what it cannot.
 """
 
@@ -31,7 +33,9 @@ import time
 
 from megatron_pdm import layout
 from megatron_pdm.hostinfo import cpu_model
+from megatron_pdm.intmath import round_up
 from megatron_pdm.train import dry_run
+from megatron_pdm.train import model_setup as ms
 from megatron_pdm.train import sim_plans
 from megatron_pdm.train import simulate as sim
 from megatron_pdm.train.config import RunConfig
@@ -69,14 +73,20 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def dry_run_estimate(cfg: RunConfig, arch, lay, *, micro: int, seq: int) -> dict:
-    """`--dry-run`'s per-GPU estimate (bytes) with the simulated (local) layer spec."""
-    est = layout.estimate_memory(
-        arch, lay, micro_batch_size=micro, seq_length=seq,
-        params_dtype=cfg.precision.params_dtype, fp8=cfg.precision.fp8 is not None,
-        distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-        recompute=cfg.train.recompute, num_microbatches=cfg.train.microbatches_per_minibatch,
-        attention="local", fused_head_chunk=dry_run._fused_head_chunk(cfg))
-    return {"weights": est.weights, "grads": est.grads, "optimizer": est.optimizer,
+    """`--dry-run`'s per-GPU estimate (bytes) with the simulated (local) layer spec; with FP8
+    its weights term is split into the params-dtype weights and the FP8 copies."""
+    def estimate(fp8: bool):
+        return layout.estimate_memory(
+            arch, lay, micro_batch_size=micro, seq_length=seq,
+            params_dtype=cfg.precision.params_dtype, fp8=fp8,
+            distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+            recompute=cfg.train.recompute, num_microbatches=cfg.train.microbatches_per_minibatch,
+            attention="local", fused_head_chunk=dry_run._fused_head_chunk(cfg))
+
+    est = estimate(cfg.precision.fp8 is not None)
+    fp8_copies = est.weights - estimate(False).weights
+    return {"weights": est.weights - fp8_copies, "fp8_weight_copies": fp8_copies,
+            "grads": est.grads, "optimizer": est.optimizer,
             "activations": est.activations, "logits": est.logits,
             "attention_scores": est.attention_scores, "total": est.total,
             "params": est.dense_params + est.expert_params}
@@ -91,6 +101,8 @@ def compare(rank_report: dict, est: dict) -> list[dict]:
             ("optimizer state", b["optimizer_main_params"] + b["optimizer_adam_state"],
              est["optimizer"]),
             ("activations + logits (peak)", b["activations_peak"], act_est)]
+    if "fp8" in rank_report:
+        rows.insert(1, ("fp8 weight copies", b["fp8_weight_copies"], est["fp8_weight_copies"]))
     total = sum(r[1] for r in rows)
     rows.append(("total", total, est["total"]))
     return [{"category": c, "simulated": s, "dry_run": e,
@@ -104,7 +116,8 @@ def _markdown(result: dict) -> str:
              "timings under load from other jobs).", "",
              f"Layout: world {result['world']}, TP {result['tp']}, EP {result['ep']}, "
              f"PP {result['pp']}, DP {result['dp']}; micro-batch {result['micro_batch']} x "
-             f"{result['seq_length']} tokens, top-K {result['top_k']}, {result['num_layers']} "
+             f"{result['seq_length']} tokens{_padding_text(result)}, top-K {result['top_k']}, "
+             f"{result['num_layers']} "
              f"layers, {result['num_experts']} experts, vocabulary {result['vocab_size']} "
              f"padded to {result['padded_vocab']} ({result['vocab_shard']} per TP rank).", ""]
     for r in result["ranks"]:
@@ -133,8 +146,49 @@ def _markdown(result: dict) -> str:
                   f"- stand-ins: {r['stand_ins']['scalar_reads']} host scalar reads answered by a "
                   f"placeholder, {r['stand_ins']['cuda_factories_on_cpu']} device='cuda' "
                   "factories made on CPU", ""]
+        lines += _fp8_lines(r)
         lines += _collective_lines(r)
     return "\n".join(lines)
+
+
+def _padding_text(result: dict) -> str:
+    """The sequence padding and the FP8 setting (absent from reports written before them)."""
+    if "seq_multiple" not in result:
+        return ""
+    fp8 = f"FP8 {result['fp8']} ({result['fp8_recipe']})" if result["fp8"] else "FP8 off"
+    return (f" (requested {result['seq_length_requested']}, padded to a multiple of "
+            f"{result['seq_multiple']}), {fp8}")
+
+
+def _fp8_lines(r: dict) -> list[str]:
+    """The FP8 stand-ins' results (mcore/sim_fp8.py): GEMM shape checks, FP8 weight copies."""
+    f = r.get("fp8")
+    if f is None:
+        return []
+    g, w = f["gemm_check"], f["weight_copies"]
+    lines = [f"### FP8 ({f['format']}, {f['recipe']}): stand-ins F1 and F2", "",
+             "F1: the local spec's bf16 linears stand in for TE's FP8 linears; TE's shape rule "
+             f"checked on every FP8 GEMM operand (rows % 8, last dim % 16; inputs: rows a "
+             f"multiple of {g['row_alignment']}; expert rows after megatron's FP8 padding to "
+             f"{g['expert_row_padding']}).", "",
+             "| module kind | modules | forward calls | backward calls | inputs | raw rows "
+             "(experts) | weights | output gradients |", "|---|---:|---:|---:|---|---|---|---|"]
+    def shapes(ss):
+        return ", ".join("x".join(map(str, s)) for s in ss)
+    for kind, k in g["kinds"].items():
+        lines.append(f"| {kind} | {k['modules']} | {k['forward_calls']} | {k['backward_calls']} "
+                     f"| {shapes(k['input_shapes'])} | "
+                     f"{', '.join(map(str, k['raw_input_rows'])) if '*' in kind else ''} | "
+                     f"{shapes(k['weight_shapes'])} | {shapes(k['grad_shapes'])} |")
+    lines += ["", f"GEMM shape violations: {len(g['violations'])}"]
+    lines += [f"- FP8 ERROR {v['count']}x {v['module']}: {v['problem']}" for v in g["violations"]]
+    scales = " + fp32 128x128-block scales" if f["recipe"] == "blockwise" else ""
+    lines += ["", f"F2: TE's FP8 weight copies, {w['weights']} linear weights ({w['tensors']} "
+              f"tensors: uint8 data{scales}), "
+              f"{w['bytes'] / GIB:.3f} GiB, held through the step (the activation peak above "
+              f"is without them; with them {f['step_peak_with_weight_copies'] / GIB:.2f} GiB).",
+              "", "Not shown by the FP8 simulation:"]
+    return lines + [f"- {n}" for n in f["not_shown"]] + [""]
 
 
 def _collective_lines(r: dict) -> list[str]:
@@ -192,9 +246,11 @@ def main(argv: list[str] | None = None) -> int:
     arch.require_vocab()
     lay = layout.validate_layout(arch, world_size=args.world, tp=p.tp, pp=p.pp, ep=p.ep, etp=1)
     micro = args.micro_batch or dry_run.micro_batch_size(cfg, lay.dp)
-    seq = args.seq_length or cfg.rollout.max_sequence_length
-    if not seq:
+    seq_requested = args.seq_length or cfg.rollout.max_sequence_length
+    if not seq_requested:
         raise SystemExit("simulate: set rollout.max_sequence_length or --seq-length")
+    # the driver's padding rule (trainer: pack_padded(pad_to_multiple_of=ms.seq_multiple(cfg)))
+    seq = round_up(seq_requested, ms.seq_multiple(cfg))
     est = dry_run_estimate(cfg, arch, lay, micro=micro, seq=seq)
     t0 = time.time()
     ranks, failed, own_records = [], False, {}
@@ -208,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
         r["dry_run_params"] = est["params"]
         r["compare"] = compare(r, est)
         own_records[rank] = r["checkpoint_plan"].pop("model_records")
-        failed |= bool(r["param_shape_problems"] or r["loss_input_problems"]
+        fp8_violations = r["fp8"]["gemm_check"]["violations"] if "fp8" in r else []
+        failed |= bool(r["param_shape_problems"] or r["loss_input_problems"] or fp8_violations
                        or r["device_violations"] or r["checkpoint_plan"]["optimizer_problems"])
         ranks.append(r)
         print(f"rank {rank}: " + ", ".join(f"{row['category']} {row['simulated'] / GIB:.2f} GiB "
@@ -219,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
         for v in r["device_violations"]:
             print(f"rank {rank}: DEVICE {v['count']}x {v['what']} at {v['project_frame']} "
                   f"(innermost: {v['caller']})", flush=True)
+        for v in fp8_violations:
+            print(f"rank {rank}: FP8 {v['count']}x {v['module']}: {v['problem']}", flush=True)
         for problem in r["checkpoint_plan"]["optimizer_problems"]:
             print(f"rank {rank}: CHECKPOINT {problem}", flush=True)
     plan_section = None
@@ -233,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
                          f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}",
               "wall_s": round(time.time() - t0, 1), "world": args.world, "tp": p.tp, "ep": p.ep,
               "pp": p.pp, "dp": lay.dp, "micro_batch": micro, "seq_length": seq,
+              "seq_length_requested": seq_requested, "seq_multiple": ms.seq_multiple(cfg),
+              "fp8": cfg.precision.fp8, "fp8_recipe": cfg.precision.fp8_recipe,
               "microbatches": args.microbatches, "top_k": cfg.rollout.top_logprobs,
               "num_layers": arch.num_layers, "num_experts": arch.num_experts,
               "vocab_size": arch.vocab_size, "padded_vocab": lay.padded_vocab_size,

@@ -12,8 +12,13 @@ state, the peak of activations + temporaries during forward/backward, the loss o
 the parameter shape check (`mcore/sim_shapes.py`), the shapes the loss op received, the
 stand-ins' counters and the checkpoint save plan after the step (`mcore/ckpt_plan.py`).
 
+An FP8 recipe (`precision.fp8`) runs the same step on the local spec in the params dtype with
+the stand-ins of `mcore/sim_fp8.py`: TE's shape rule checked on every FP8 GEMM operand of the
+layers' linears (F1) and TE's FP8 weight copies held as their own memory category (F2); the
+report's `fp8` section lists both and what they cannot show.
+
 Not simulated: values (every number is a placeholder), kernels (the local layer spec runs, never
-Transformer Engine; FP8 is refused), NCCL (collectives are no-ops of the fake process group).
+Transformer Engine), NCCL (collectives are no-ops of the fake process group).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from megatron_pdm.arch import ModelArch
 from megatron_pdm.mcore import ckpt_plan, fake_sim
 from megatron_pdm.mcore import loss_adapter
 from megatron_pdm.mcore import optimizer as mopt
-from megatron_pdm.mcore import sim_collectives, sim_devices
+from megatron_pdm.mcore import sim_collectives, sim_devices, sim_fp8
 from megatron_pdm.mcore.lm_head import lm_head_of
 from megatron_pdm.mcore.model import build_model, transformer_config
 from megatron_pdm.mcore.sim_shapes import check_param_shapes
@@ -82,10 +87,6 @@ def simulate_rank(cfg: RunConfig, arch: ModelArch, *, rank: int, world: int,
                   micro_batch: int, seq_length: int, microbatches: int = 1) -> dict:
     """One optimizer step of `cfg` on simulated rank `rank` of `world` (see module docstring)."""
     p = cfg.parallel
-    if cfg.precision.fp8 is not None:
-        raise ValueError("simulation: precision.fp8 needs Transformer Engine's FP8 kernels, "
-                         "which do not run on CPU or under fake tensors (simulate the BF16 "
-                         "recipe; docs/simulate.md)")
     t0 = time.time()
     report: dict = {"rank": rank, "world": world}
     with fake_sim.fake_world(rank=rank, world=world, tp=p.tp, ep=p.ep, pp=p.pp) as mode, \
@@ -102,7 +103,12 @@ def simulate_rank(cfg: RunConfig, arch: ModelArch, *, rank: int, world: int,
                            "dp_size": ps.get_data_parallel_world_size()}
         first = ps.is_pipeline_first_stage(ignore_virtual=True)
         last = ps.is_pipeline_last_stage(ignore_virtual=True)
-        kwargs = dict(ms.megatron_kwargs(cfg), **fake_sim.balanced_routing_overrides(arch))
+        # FP8 (stand-in F1): the local spec's linears in the params dtype; megatron's config
+        # with fp8 set needs TE (its version checks, te_checkpoint under recompute)
+        fp8 = cfg.precision.fp8_recipe if cfg.precision.fp8 is not None else None
+        kwargs = {k: v for k, v in ms.megatron_kwargs(cfg).items()
+                  if k not in ("fp8", "fp8_recipe")}
+        kwargs.update(fake_sim.balanced_routing_overrides(arch))
         # the driver's config; perform_initialization off: no init values are computed.
         tconfig = transformer_config(arch, tp=p.tp, ep=p.ep, pp=p.pp,
                                      calculate_per_token_loss=True,
@@ -128,7 +134,11 @@ def simulate_rank(cfg: RunConfig, arch: ModelArch, *, rank: int, world: int,
                                arch.require_vocab()) for _ in range(microbatches)]
         seen: dict = {}
         t1 = time.time()
-        with fake_sim.PeakTracker() as step_peak:
+        gemms = sim_fp8.Fp8GemmCheck(gpt, recipe=fp8) if fp8 else contextlib.nullcontext()
+        copies_of = (sim_fp8.fp8_weight_copies(gpt, recipe=fp8) if fp8
+                     else contextlib.nullcontext({"bytes": 0, "weights": 0, "tensors": []}))
+        # the FP8 weight copies (F2) are allocated inside the tracker and live the whole step
+        with fake_sim.PeakTracker() as step_peak, copies_of as copies, gemms:
             # the driver's step, split to read the activation peak before the optimizer runs
             from megatron_pdm.train.schedule import forward_backward
 
@@ -139,16 +149,26 @@ def simulate_rank(cfg: RunConfig, arch: ModelArch, *, rank: int, world: int,
             fwd_bwd_peak, fwd_bwd_top = step_peak.peak, list(step_peak.peak_top)
             rec.phase = "optimizer"
             _, grad_norm, _ = optimizer.step()
+            copy_bytes, n_copies = copies["bytes"], (copies["weights"], len(copies["tensors"]))
         report["step_s"] = round(time.time() - t1, 1)
         # the checkpoint Trainer.save would write after this step, planned, not written
         report["checkpoint_plan"] = ckpt_plan.plan_rank(ddp, optimizer, rank=rank)
+        # the peaks without the FP8 copies (live throughout the tracked step: exact)
         report["bytes"] = dict(fake_sim.category_bytes(ddp, optimizer),
-                               activations_peak=fwd_bwd_peak,
-                               optimizer_step_peak=step_peak.peak,
+                               fp8_weight_copies=copy_bytes,
+                               activations_peak=fwd_bwd_peak - copy_bytes,
+                               optimizer_step_peak=step_peak.peak - copy_bytes,
                                loss_forward_peak=seen.pop("loss_forward_peak_bytes", 0))
         report["activations_peak_top"] = [
             {"bytes": n, "op": op} for n, op in fwd_bwd_top]
         report["loss_inputs"] = seen
+        if fp8:
+            report["fp8"] = {"format": cfg.precision.fp8, "recipe": fp8,
+                             "gemm_check": gemms.report(),
+                             "weight_copies": {"weights": n_copies[0], "tensors": n_copies[1],
+                                               "bytes": copy_bytes},
+                             "step_peak_with_weight_copies": fwd_bwd_peak,
+                             "not_shown": sim_fp8.NOT_SHOWN}
         report["stand_ins"] = {"scalar_reads": mode.scalar_reads,
                                "cuda_factories_on_cpu": mode.cuda_factories}
         report["collectives"] = rec.grouped()
