@@ -21,7 +21,7 @@ What is timed, per tensor set, on this machine (every process on 127.0.0.1, gloo
 Tensor sets: the tiny CPU model's HF state dict (examples/tiny_cpu/config.yaml, fp32), and
 `--layers` decoder layers of Qwen3-30B-A3B as synthetic bf16 tensors of the real shapes (hidden
 2048, 32 q / 4 kv heads of 128, 128 experts of width 768, vocab 151936) with the real default
-bucket size (rollout.weight_sync.bucket_mb = 512). The per-byte time of the 30B layers is
+bucket size (rollout.sglang.weight_sync.bucket_mb = 512). The per-byte time of the 30B layers is
 extrapolated to the whole model (48 layers + embeddings + head, computed from the same shapes),
 and the per-iteration sync is projected at `--nccl-gbps` (an assumed NCCL broadcast bandwidth,
 stated in the output) times the measured push/bare ratio.

@@ -11,7 +11,9 @@ mapping (yaml, `--set a.b=c` overrides, JSON) into such a tree:
   `__post_init__`) checks `Literal` membership and basic types, so a section built directly in
   Python is checked exactly like one parsed from yaml; range rules stay in the section's own
   `__post_init__`;
-* an unknown or misspelt key is an error that names it and lists the valid keys of its section;
+* an unknown or misspelt key is an error that names it and lists the valid keys of its section,
+  with a guess: the place of a key of that name in a nested section (`rollout.staleness`: did you
+  mean `rollout.local.staleness`), else the closest valid keys (difflib);
   every error is a `ConfigError` whose message starts with the dotted key, and CLIs print it as
   one line without a traceback (`megatron_pdm.cli`).
 
@@ -23,6 +25,7 @@ extra keys that hook accepts in `_config_aliases` (shown among the valid keys in
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import types
 import typing
@@ -182,6 +185,32 @@ def check_positive(section: str, obj: Any, *names: str, allow_zero: bool = False
                               f"{'>= 0' if allow_zero else '> 0'}")
 
 
+def _nested_places(cls, name: str, prefix: str, depth: int = 3) -> list[str]:
+    """Dotted paths of the fields called `name` in the sections nested under `cls` (the schema
+    walked `depth` levels down; `cls`'s own fields excluded)."""
+    places: list[str] = []
+    if depth == 0:
+        return places
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if not (isinstance(tp, type) and dataclasses.is_dataclass(tp)):
+            continue
+        sub = f"{prefix}{f.name}."
+        if any(g.name == name and g.init for g in dataclasses.fields(tp)):
+            places.append(sub + name)
+        places.extend(_nested_places(tp, name, sub, depth - 1))
+    return places
+
+
+def _unknown_hint(cls, key: str, prefix: str, valid: list[str]) -> str:
+    """`; <key>: did you mean ...` for an unknown key: the nested sections' keys of that name
+    (a key that lives in an engine's section), else the closest valid keys (a misspelling)."""
+    near = _nested_places(cls, key, prefix) or [
+        prefix + k for k in difflib.get_close_matches(key, [str(v) for v in valid], n=3)]
+    return f"; {prefix}{key}: did you mean {' or '.join(near)}?" if near else ""
+
+
 def from_mapping(cls, data: Any, path: str = ""):
     """Builds dataclass `cls` from a mapping, converting every value by its field type.
 
@@ -198,13 +227,14 @@ def from_mapping(cls, data: Any, path: str = ""):
     if hook is not None:
         data = hook(dict(data), path)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(data) - set(fields))
+    unknown = sorted(set(data) - set(fields), key=str)
     if unknown:
         prefix = f"{path}." if path else ""
         valid = sorted(set(fields) | set(getattr(cls, "_config_aliases", ())))
+        hints = "".join(_unknown_hint(cls, str(k), prefix, valid) for k in unknown)
         raise ConfigError(
             f"unknown key(s) {[prefix + str(k) for k in unknown]}; valid keys of {where}: "
-            f"{valid}")
+            f"{valid}{hints}")
     hints = _hints(cls)
     prefix = f"{path}." if path else ""
     kwargs = {name: convert(value, hints[name], prefix + name) for name, value in data.items()}

@@ -5,8 +5,8 @@
 # Prerequisites: sglang 0.5.22-0.5.23 installed; the BF16 HF checkpoint. ROLLOUT_PRECISION=fp8
 #   adds --quantization fp8: SGLang quantises the BF16 weights on load (and on every weight
 #   update) with one scale per tensor (per expert), which is what the trainer's local simulation
-#   does with rollout.fp8_scales=tensor (the default). An FP8 checkpoint (Qwen3-30B-A3B-FP8)
-#   carries 128x128 block scales instead (rollout.fp8_scales=block128).
+#   does with rollout.local.fp8_scales=tensor (the default). An FP8 checkpoint (Qwen3-30B-A3B-FP8)
+#   carries 128x128 block scales instead (rollout.local.fp8_scales=block128).
 #   Weights are refreshed by the trainer each iteration (train_pdm.sh WEIGHT_SYNC).
 # Access: the weight-update and pause routes let whoever reaches a server replace the policy.
 #   Every server requires PDM_SGLANG_API_KEY (the trainer sends it) and binds to HOST

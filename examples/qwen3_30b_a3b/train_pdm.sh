@@ -95,9 +95,11 @@ ROLLOUT_ARGS=(
 # WEIGHT_SYNC=disk writes HF safetensors to SYNC_DIR/v<N> (readable by the servers) instead.
 # The servers' API key is read from $PDM_SGLANG_API_KEY (the same value launch_sglang.sh uses).
     --set rollout.engine=sglang --set "rollout.sglang.url=${SGLANG_URL}"
-    --set "rollout.weight_sync.mode=${WEIGHT_SYNC}" --set rollout.weight_sync.backend=nccl
-    --set "rollout.weight_sync.master_addr=${MASTER_ADDR}"
-    --set "rollout.hf_checkpoint=${SYNC_DIR}" --set "rollout.max_sequence_length=${SEQ_LENGTH}"
+    --set "rollout.sglang.weight_sync.mode=${WEIGHT_SYNC}"
+    --set rollout.sglang.weight_sync.backend=nccl
+    --set "rollout.sglang.weight_sync.master_addr=${MASTER_ADDR}"
+    --set "rollout.sglang.hf_checkpoint=${SYNC_DIR}"
+    --set "rollout.max_sequence_length=${SEQ_LENGTH}"
 )
 # data: JSONL prompts {"prompt", "answer"}, tokenized with the HF checkpoint's tokenizer
 DATA_ARGS=(

@@ -6,8 +6,8 @@ that generated it. RL gets that distance from three places, and the study can ta
     drift      (default) the driver's own steps on minibatches 0..j-1 of the same batch move pi
                inside the iteration; the study minibatch is j (default: the last one).
     precision  the engine copy differs from the trainer (rollout.rollout_precision: bf16, or
-               the local engine's simulated fp8 with rollout.fp8_scales): minibatch 0, no step
-               before it, so D is the engine mismatch alone.
+               the local engine's simulated fp8 with rollout.local.fp8_scales): minibatch 0, no
+               step before it, so D is the engine mismatch alone.
     stale      the batch is generated at the start state, then `stale_iterations` whole driver
                iterations (fresh batches at the current weights, the run's loss, every
                minibatch) train before the study: behaviour = the policy k iterations old, as

@@ -191,7 +191,7 @@ def gather_setup(a, cfg, path, ckpt_iteration, trainer, j) -> dict:
                                 if a.source == "stale" else 0),
             "rollout_precision": cfg.rollout.rollout_precision,
             "engine": cfg.rollout.engine, "engine_server": server_summary(trainer.rollout),
-            "fp8_scales": cfg.rollout.fp8_scales, "sgd_lr": a.sgd_lr, "design": a.design,
+            "fp8_scales": cfg.rollout.local.fp8_scales, "sgd_lr": a.sgd_lr, "design": a.design,
             "power": a.power, "primary": a.primary, "bootstrap_seed": a.bootstrap_seed,
             "controls": [vars(c) for c in a.synthetic_controls()],
             "machine": machine(), "command": list(sys.argv),

@@ -1,6 +1,6 @@
 """The benchmark's grid: methods (loss presets), stress settings (driver config overrides), sizes.
 
-Every stress setting is plain driver config keys (train.epochs_per_batch, rollout.staleness,
+Every stress setting is plain driver config keys (train.epochs_per_batch, rollout.local.staleness,
 rollout.rollout_precision, train.lr), so any cell can be rerun by hand with `--set`.
 """
 
@@ -28,8 +28,8 @@ SETTINGS: dict[str, list[str]] = {
     "base": [],
     "epochs4": ["train.epochs_per_batch=4"],
     "epochs16": ["train.epochs_per_batch=16"],
-    "stale2": ["rollout.staleness=2"],
-    "stale8": ["rollout.staleness=8"],
+    "stale2": ["rollout.local.staleness=2"],
+    "stale8": ["rollout.local.staleness=8"],
     "engine-fp32": ["rollout.rollout_precision=fp32"],
     "engine-fp8": ["rollout.rollout_precision=fp8"],
     "lr4x": [f"train.lr={4 * BASE_LR}"],
@@ -37,7 +37,7 @@ SETTINGS: dict[str, list[str]] = {
     # the server is started per run by SERVER_SETTINGS' launcher, `{vllm_url}` filled in by it
     "engine-vllm-bf16": ["rollout.engine=vllm", "rollout.vllm.url={vllm_url}"],
     # the smoke setting: both queue-based keys at once, measurable within 2 iterations
-    "smoke-stale1-epochs2": ["rollout.staleness=1", "train.epochs_per_batch=2"],
+    "smoke-stale1-epochs2": ["rollout.local.staleness=1", "train.epochs_per_batch=2"],
 }
 # settings whose runs need a real engine server: setting -> vLLM launcher args
 # (megatron_pdm.train.rollout.vllm_server)

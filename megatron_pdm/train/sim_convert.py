@@ -16,7 +16,7 @@ shard of which tensor this rank sends to rank 0 in a weight sync). From those ro
   the checkpoint tiles each global tensor exactly once over the world) and its total bytes;
 * `weight_sync_plan`: the live export's gather (`live.iter_hf_groups`'s order and assembly, on
   meta tensors: no collective) fed through the driver's bucketing (`rollout_bridge.sglang.
-  broadcast.buckets`, `rollout.weight_sync.bucket_mb`) in the push dtype: bucket count, the
+  broadcast.buckets`, `rollout.sglang.weight_sync.bucket_mb`) in the push dtype: bucket count, the
   largest bucket, bytes per sync, every tensor larger than a bucket, and per rank the bytes it
   sends to rank 0 in the gather.
 """
@@ -104,7 +104,7 @@ def weight_sync_plan(cfg: RunConfig, arch: ModelArch, roles: list[dict]) -> dict
     """The push of one weight sync, planned on meta tensors (module docstring)."""
     from rollout_bridge.sglang.broadcast import buckets
 
-    ws = cfg.rollout.weight_sync
+    ws = cfg.rollout.sglang.weight_sync
     push_dtype = getattr(torch, {"bf16": "bfloat16", "fp32": "float32"}[push_dtype_name(cfg)])
     owners: dict[str, list] = {}
     sent = {r["rank"]: 0 for r in roles}

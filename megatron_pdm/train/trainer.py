@@ -156,7 +156,7 @@ class Trainer:
     # ------------------------------------------------------------------ phases
 
     def _greedy_accuracy(self, problems: list) -> float:
-        with latest_weights(self.rollout):  # rollout.staleness: evaluate the newest policy
+        with latest_weights(self.rollout):  # rollout.local.staleness: evaluate the newest policy
             batch = self._generate(problems, 0.0, 1)
         return sum(self.task.score(q, s.response_ids.tolist())
                    for q, s in zip(problems, batch.samples)) / len(problems)

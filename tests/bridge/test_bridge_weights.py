@@ -61,10 +61,10 @@ def test_save_and_load_sharded(tmp_path):
 
 def test_driver_engine_simulates_sglangs_online_fp8_scales(monkeypatch):
     """SGLang's `--quantization fp8` on a BF16 checkpoint quantises per tensor (per expert) on load;
-    the driver's local engine simulates that by default (rollout.fp8_scales="tensor") and 128x128
-    blocks only when asked (an FP8 checkpoint's scales)."""
+    the driver's local engine simulates that by default (rollout.local.fp8_scales="tensor") and
+    128x128 blocks only when asked (an FP8 checkpoint's scales)."""
     from megatron_pdm.train.rollout import local as rollout
-    from megatron_pdm.train.rollout.config import RolloutConfig
+    from megatron_pdm.train.rollout.config import LocalRolloutConfig
     from megatron_pdm.train.rollout.local import build_engine
 
     # the driver's device (mcore/device.py) is the CPU shim's "cpu" here; the shim itself is not
@@ -75,7 +75,7 @@ def test_driver_engine_simulates_sglangs_online_fp8_scales(monkeypatch):
     with torch.no_grad():
         lin.weight[:128, :128] *= 50  # one block with a much larger range than the rest
     weight = lin.weight.detach().clone()
-    assert RolloutConfig().fp8_scales == "tensor"
+    assert LocalRolloutConfig().fp8_scales == "tensor"
     for scales, block in (("tensor", None), ("block128", 128)):
         engine = build_engine(lin, vocab_size=256, top_logprobs=2, seed=0, rollout_precision="fp8",
                               eos_id=0, pad_id=0, tp_size=1,

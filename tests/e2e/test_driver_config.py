@@ -90,7 +90,8 @@ def test_cluster_scripts_dry_run(script, env, world, monkeypatch, capsys):
     overrides = script_overrides(script, env)
     keys = {o.split("=", 1)[0] for o in overrides}
     for key in ("parallel.pp", "precision.params_dtype", "checkpoint.load_dir", "rollout.engine",
-                "rollout.sglang.url", "rollout.hf_checkpoint", "rollout.max_sequence_length",
+                "rollout.sglang.url", "rollout.sglang.hf_checkpoint",
+                "rollout.sglang.weight_sync.mode", "rollout.max_sequence_length",
                 "train.recompute", "task.path", "task.tokenizer_dir"):
         assert key in keys, key
     cfg = RunConfig.load(str(EXAMPLE / "pdm.yaml"), overrides)
@@ -143,7 +144,7 @@ def test_runtime_refusals_on_cpu():
     with pytest.raises(ValueError, match="fp8_recipe='e5m2'"):
         RunConfig.load(str(TINY), ["precision.fp8_recipe=e5m2"])
     with pytest.raises(ValueError, match="rollout.engine=sglang needs rollout.sglang.url"):
-        RunConfig.load(str(TINY), ["rollout.engine=sglang", "rollout.hf_checkpoint=/x"])
+        RunConfig.load(str(TINY), ["rollout.engine=sglang", "rollout.sglang.hf_checkpoint=/x"])
 
 
 def test_checkpoint_arch_must_agree():

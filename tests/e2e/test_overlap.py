@@ -41,7 +41,7 @@ def _run(work, checkpoints, extra=(), out=None):
     try:
         launch(out, COMMON + [f"checkpoint.load_dir={mcore}", "checkpoint.arch_from_load_dir=true",
                               f"rollout.sglang.url={server.url}",
-                              f"rollout.hf_checkpoint={work / 'sync'}"],
+                              f"rollout.sglang.hf_checkpoint={work / 'sync'}"],
                extra=list(extra), timeout=420)
         calls = server.calls()
     finally:

@@ -1,6 +1,6 @@
 """`megatron-pdm-stability --smoke`: the whole command at CI size (2 methods, 1 setting, 2
 iterations, 2 seeds; ~70 s on 2 loaded cores), its result schema, that the stress keys measured
-in the runs equal their settings (rollout.staleness=1 -> rollout/staleness 1 from iteration 1;
+in the runs equal their settings (rollout.local.staleness=1 -> rollout/staleness 1 from iteration 1;
 train.epochs_per_batch=2 x 1 minibatch -> 2 optimizer steps per batch), and that a rerun skips
 the recorded cells."""
 

@@ -95,7 +95,7 @@ def _run(tmp_path, name, converted, layout):
         launch(out, layout + [
             f"checkpoint.load_dir={mcore}", "checkpoint.arch_from_load_dir=true",
             "rollout.engine=sglang", f"rollout.sglang.url={server.url}",
-            f"rollout.hf_checkpoint={work / 'sync'}", "rollout.max_sequence_length=16",
+            f"rollout.sglang.hf_checkpoint={work / 'sync'}", "rollout.max_sequence_length=16",
             "rollout.rollout_precision=null", "rollout.sync_at_start=false",
             "rollout.temperature=1.0", "task.partial_credit=true", "warmup.steps=0",
             "train.iterations=3",
@@ -134,7 +134,7 @@ def test_sglang_tp2_from_converted_checkpoint(tp2_run):
     names = [c["call"] for c in calls]
     i = names.index("update_weights_from_disk")
     assert names[i - 1] == "pause_generation" and names[i + 1] == "continue_generation"
-    # the last exports are kept (rollout.keep_synced=2), HF safetensors + config
+    # the last exports are kept (rollout.sglang.keep_synced=2), HF safetensors + config
     kept = sorted(os.listdir(work / "sync"))
     assert kept == ["v2", "v3"], kept
     assert os.path.exists(work / "sync" / "v3" / "config.json")

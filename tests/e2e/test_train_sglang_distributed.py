@@ -1,4 +1,4 @@
-"""The driver with `rollout.weight_sync.mode=distributed` (no disk) against two fake SGLang
+"""The driver with `rollout.sglang.weight_sync.mode=distributed` (no disk) against two fake SGLang
 servers.
 
 Setup: an HF directory of the tiny run's architecture (random weights; the trainer pushes its own
@@ -42,9 +42,9 @@ SGLANG_VERSION = "0.5.23"
 OVERRIDES = ["warmup.steps=0", "train.iterations=3", "train.eval_prompts=4",
              "checkpoint.save_interval=0", "rollout.max_sequence_length=16",
              "rollout.rollout_precision=null", "rollout.temperature=1.0",
-             "rollout.engine=sglang", "rollout.weight_sync.mode=distributed",
-             "rollout.weight_sync.backend=gloo", "rollout.weight_sync.bucket_mb=1",
-             "rollout.weight_sync.digest=true", "rollout.timeout_s=600"]
+             "rollout.engine=sglang", "rollout.sglang.weight_sync.mode=distributed",
+             "rollout.sglang.weight_sync.backend=gloo", "rollout.sglang.weight_sync.bucket_mb=1",
+             "rollout.sglang.weight_sync.digest=true", "rollout.timeout_s=600"]
 
 
 @pytest.fixture(scope="module")

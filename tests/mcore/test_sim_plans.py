@@ -145,7 +145,7 @@ def test_optimizer_slices_tile_their_dp_share():
 def test_bucket_plan_follows_the_bucket_size(roles_pp1):
     from megatron_pdm.train import sim_convert
 
-    cfg = _cfg("rollout.weight_sync.bucket_mb=64")
+    cfg = _cfg("rollout.sglang.weight_sync.bucket_mb=64")
     sync = sim_convert.weight_sync_plan(cfg, ARCH, roles_pp1)
     assert sync["problems"] == [] and sync["bucket_mb"] == 64
     qkv = (32 + 2 * 4) * 128 * 2048 * 2  # 20 MiB: under 64 MiB

@@ -5,6 +5,7 @@ The run-config cases are the bugs of the two-parser design: `--set loss.noise_fl
 dict, enum values checked in a central table, and CLI errors printed with a traceback.
 """
 
+import dataclasses
 import math
 import subprocess
 import sys
@@ -127,7 +128,7 @@ def test_enum_values_belong_to_their_section():
     with pytest.raises(ConfigError, match=r"rollout.engine='vlm': expected one of"):
         RunConfig.load(str(TINY), ["rollout.engine=vlm"])
     with pytest.raises(ConfigError, match="rollout.engine=sglang needs rollout.sglang.url"):
-        RunConfig.load(str(TINY), ["rollout.engine=sglang", "rollout.hf_checkpoint=/x"])
+        RunConfig.load(str(TINY), ["rollout.engine=sglang", "rollout.sglang.hf_checkpoint=/x"])
 
 
 def test_resolved_config_round_trips_through_yaml(tmp_path):
@@ -135,6 +136,35 @@ def test_resolved_config_round_trips_through_yaml(tmp_path):
     cfg.save(tmp_path / "resolved.yaml")
     again = RunConfig.load(str(tmp_path / "resolved.yaml"))
     assert again == cfg and again.loss.ratio_cap == math.inf
+
+
+@dataclasses.dataclass
+class Inner:
+    depth: int = 0
+
+
+@dataclasses.dataclass
+class Outer:
+    inner: Inner = dataclasses.field(default_factory=Inner)
+    width: int = 1
+
+
+def test_unknown_key_error_guesses_its_place():
+    """configtree, for any schema: a key that exists in a nested section is pointed there, a
+    misspelt one gets the closest valid keys, and a key like neither gets no guess."""
+    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['top\.depth'\]; valid keys of "
+                                          r"top: \['inner', 'width'\]; top\.depth: did you mean "
+                                          r"top\.inner\.depth\?$"):
+        from_mapping(Outer, {"depth": 2}, "top")
+    with pytest.raises(ConfigError, match=r"top\.widht: did you mean top\.width\?$"):
+        from_mapping(Outer, {"widht": 2}, "top")
+    with pytest.raises(ConfigError, match=r"valid keys of top: \['inner', 'width'\]$"):
+        from_mapping(Outer, {"colour": 2}, "top")
+    # the run config: an engine's key given at the top of `rollout`, a misspelt section name
+    with pytest.raises(ConfigError, match=r"did you mean rollout\.local\.staleness\?$"):
+        RunConfig.load(str(TINY), ["rollout.staleness=2"])
+    with pytest.raises(ConfigError, match=r"rollot: did you mean rollout\?$"):
+        RunConfig.load(str(TINY), ["rollot.engine=local"])
 
 
 def test_from_mapping_reports_nested_paths():

@@ -27,7 +27,7 @@ def test_every_server_gets_the_key_and_a_private_bind():
     assert '--config "${KEY_FILE}"' in launch and "--api-key" not in launch
     assert '--host "${HOST}"' in launch and "0.0.0.0" not in text
     assert 'HOST="${HOST:-127.0.0.1}"' in text
-    # FP8: quantised on load per tensor, the trainer's default simulation (rollout.fp8_scales)
+    # FP8: quantised on load per tensor, the trainer's default simulation (rollout.local.fp8_scales)
     assert "--quantization fp8" in text and "fp8_scales=tensor" in text
 
 

@@ -1,7 +1,7 @@
 """The benchmark's stress keys do what their docstrings say (measured on the objects that run).
 
-rollout.staleness: the local rollout's weight queue loads the policy k versions behind and the
-evaluation block sees the newest; train.epochs_per_batch: fresh permutations per epoch, epoch 0
+rollout.local.staleness: the local rollout's weight queue loads the policy k versions behind and
+the evaluation block sees the newest; train.epochs_per_batch: fresh permutations per epoch, epoch 0
 unchanged; the is-pg preset masks nothing and keeps the raw importance weight.
 """
 
@@ -62,7 +62,7 @@ def test_staleness_copies_are_not_views():
 
 def test_staleness_refuses_resume():
     ro = LocalRollout(_Engine(), lambda: _Policy(), staleness=1)
-    with pytest.raises(ValueError, match="rollout.staleness=1"):
+    with pytest.raises(ValueError, match=r"rollout\.local\.staleness=1"):
         ro.load_state_dict({})
 
 
@@ -76,14 +76,14 @@ def test_epochs_reshuffle_and_keep_epoch0():
 
 
 def test_config_keys_checked():
-    cfg = RunConfig.load(None, ["train.epochs_per_batch=4", "rollout.staleness=8"])
-    assert cfg.train.epochs_per_batch == 4 and cfg.rollout.staleness == 8
+    cfg = RunConfig.load(None, ["train.epochs_per_batch=4", "rollout.local.staleness=8"])
+    assert cfg.train.epochs_per_batch == 4 and cfg.rollout.local.staleness == 8
     with pytest.raises(ConfigError, match="epochs_per_batch"):
         RunConfig.load(None, ["train.epochs_per_batch=0"])
     with pytest.raises(ConfigError, match="staleness"):
-        RunConfig.load(None, ["rollout.staleness=-1"])
+        RunConfig.load(None, ["rollout.local.staleness=-1"])
     with pytest.raises(ConfigError, match="rollout.engine=local"):
-        RunConfig.load(None, ["rollout.staleness=2", "rollout.engine=vllm",
+        RunConfig.load(None, ["rollout.local.staleness=2", "rollout.engine=vllm",
                               "rollout.vllm.url=http://127.0.0.1:1"])
 
 

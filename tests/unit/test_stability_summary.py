@@ -49,7 +49,7 @@ def test_grid_cells_seed_major_and_checked():
     g = Grid(["no-trust-region", "pdm-agg"], ["base", "stale2"], [1, 2])
     cells = g.cells()
     assert len(cells) == 8 and [c.seed for c in cells[:4]] == [1] * 4
-    assert "rollout.staleness=2" in g.overrides(cells[2]) or "rollout.staleness=2" in \
+    assert "rollout.local.staleness=2" in g.overrides(cells[2]) or "rollout.local.staleness=2" in \
         g.overrides(cells[3])
     try:
         Grid(["nope"], ["base"], [1])

@@ -4,7 +4,7 @@ Reading order:
 
   factory.py     `build_rollout`: `rollout.engine` -> the run's rollout source
   local.py       `LocalRollout`: an engine copy of the policy on every rank (`LocalEngine` over
-                 `GatheredGPT`), the `rollout.staleness` weight queue
+                 `GatheredGPT`), the `rollout.local.staleness` weight queue
   server.py      `ServerRollout`: rank 0 drives a server engine and broadcasts every batch;
                  background `submit` / `collect` for `rollout.overlap`
   sglang.py      `SGLangRollout`: the SGLang client and its disk or broadcast weight sync

@@ -33,5 +33,5 @@ def build_rollout(cfg, arch, tconfig, task, trainer_module_fn, *, meta: dict | N
     engine = build_engine(rollout_gpt, vocab_size=arch.vocab_size, top_logprobs=r.top_logprobs,
                           seed=cfg.seed, rollout_precision=r.rollout_precision,
                           eos_id=task.eos_id, pad_id=task.pad_id, tp_size=cfg.parallel.tp,
-                          fp8_block_size=None if r.fp8_scales == "tensor" else 128)
-    return LocalRollout(engine, trainer_module_fn, staleness=r.staleness)
+                          fp8_block_size=None if r.local.fp8_scales == "tensor" else 128)
+    return LocalRollout(engine, trainer_module_fn, staleness=r.local.staleness)

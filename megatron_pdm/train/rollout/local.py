@@ -88,7 +88,7 @@ def build_engine(rollout_gpt: torch.nn.Module, *, vocab_size: int, top_logprobs:
 class LocalRollout:
     """Rollouts from the in-process engine copy (all ranks in lockstep).
 
-    `staleness` k > 0 (rollout.staleness): every sync appends a copy of this rank's trainer
+    `staleness` k > 0 (rollout.local.staleness): every sync appends a copy of this rank's trainer
     weights to a queue of the last k + 1 versions and loads the OLDEST into the engine, so
     rollouts come from the policy k versions behind (fewer while fewer exist). `latest()` loads
     the newest copy for the duration of a block (evaluations) and puts the stale one back.
@@ -141,7 +141,7 @@ class LocalRollout:
 
     def load_state_dict(self, state: dict) -> None:
         if self.staleness:
-            raise ValueError(f"rollout.staleness={self.staleness}: the queue of old weight "
+            raise ValueError(f"rollout.local.staleness={self.staleness}: the queue of old weight "
                              "copies is not checkpointed, so this run cannot be resumed "
                              "(start it again without --resume)")
         self.engine.load_state_dict(state)

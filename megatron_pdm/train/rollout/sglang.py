@@ -8,28 +8,30 @@ key (SGLang --api-key) comes from `rollout.sglang.api_key_file` or the environme
 by `rollout.sglang.api_key_env`; only those names are in the config.
 
 Weight sync (after each iteration's optimizer steps, once before the first rollout, after a
-resume), `rollout.weight_sync.mode`:
+resume), `rollout.sglang.weight_sync.mode`:
 
 * "distributed" (no disk): `convert.live.iter_hf_groups` gathers the live, sharded model (any
   TP/EP/PP) as full HF tensors on rank 0, one layer group at a time, and
   `rollout_bridge.sglang.broadcast.DistributedWeightSender` streams them to every server: one
   weight-update group (trainer rank 0 + every server TP rank, created once with
-  /init_weights_update_group and rank offsets per server), buckets of `weight_sync.bucket_mb`
-  posted with /update_weights_from_distributed while rank 0 broadcasts them (NCCL on GPUs, gloo
-  on CPUs), the next layer gathered while a bucket is on the wire, all inside one
-  pause -> begin_weight_update ... end_weight_update -> continue session; the last bucket sets
-  the weight version, which every server must then report. Rank 0 keeps consuming the gather
-  even when the push fails (the gather is collective), then the error reaches every rank.
+  /init_weights_update_group and rank offsets per server), buckets of
+  `rollout.sglang.weight_sync.bucket_mb` posted with /update_weights_from_distributed while
+  rank 0 broadcasts them (NCCL on GPUs, gloo on CPUs), the next layer gathered while a bucket is
+  on the wire, all inside one pause -> begin_weight_update ... end_weight_update -> continue
+  session; the last bucket sets the weight version, which every server must then report. Rank 0
+  keeps consuming the gather even when the push fails (the gather is collective), then the error
+  reaches every rank.
 * "disk" (fallback, shared file system): every rank saves its shard with megatron
-  `dist_checkpointing` into `<hf_checkpoint>/.dist_v<version>`; rank 0 streams it to HF
-  safetensors with `convert.export.export_to_hf` into `<hf_checkpoint>/v<version>` and calls
-  `update_weights_from_disk` on every server (pause -> update -> continue -> version check).
-  For Qwen3-30B-A3B in bf16 that is ~3 x 61 GB of file I/O per iteration; `rollout.keep_synced`
-  directories are kept.
+  `dist_checkpointing` into `<hf_checkpoint>/.dist_v<version>` (`rollout.sglang.hf_checkpoint`);
+  rank 0 streams it to HF safetensors with `convert.export.export_to_hf` into
+  `<hf_checkpoint>/v<version>` and calls `update_weights_from_disk` on every server (pause ->
+  update -> continue -> version check). For Qwen3-30B-A3B in bf16 that is ~3 x 61 GB of file
+  I/O per iteration; `rollout.sglang.keep_synced` directories are kept.
 
 Push dtype: bf16 for rollout_precision bf16/fp8 (fp8 servers quantise on load), else the
 training dtype. Each push is recorded in `<output_dir>/weight_sync.jsonl` (rank 0: version,
-mode, seconds, buckets, bytes and, with `rollout.weight_sync.digest`, the sha256 state digest).
+mode, seconds, buckets, bytes and, with `rollout.sglang.weight_sync.digest`, the sha256 state
+digest).
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ class SGLangRollout(ServerRollout):
     def __init__(self, cfg, arch, trainer_module_fn, *, meta: dict | None, style: str):
         r = cfg.rollout
         self.style = style
-        self.root = os.path.abspath(r.hf_checkpoint) if r.hf_checkpoint else None
+        self.root = os.path.abspath(r.sglang.hf_checkpoint) if r.sglang.hf_checkpoint else None
         self.meta_base = meta or {}
         self.load_dir = cfg.checkpoint.load_dir
         self.export_dtype = push_dtype_name(cfg)
@@ -89,15 +91,16 @@ class SGLangRollout(ServerRollout):
             r.sglang.urls or r.sglang.url, top_logprobs=r.top_logprobs, api_key=key,
             timeout_s=r.timeout_s, max_retries=r.max_retries, seed=self.cfg.seed,
             vocab_size=self.arch.vocab_size, raise_on_failure=True,
-            topk_transport=r.topk_transport)
-        if r.weight_sync.mode == "distributed":
+            topk_transport=r.sglang.topk_transport)
+        if r.sglang.weight_sync.mode == "distributed":
             from rollout_bridge.sglang.broadcast import DistributedWeightSender
 
-            port = r.weight_sync.master_port or free_port(r.weight_sync.master_addr)
+            ws = r.sglang.weight_sync
+            port = ws.master_port or free_port(ws.master_addr)
             self.sender = DistributedWeightSender(
-                client, master_address=r.weight_sync.master_addr, master_port=port,
-                backend=r.weight_sync.backend, bucket_bytes=r.weight_sync.bucket_mb << 20,
-                load_format=(None if r.weight_sync.load_format == "per_tensor"
+                client, master_address=ws.master_addr, master_port=port,
+                backend=ws.backend, bucket_bytes=ws.bucket_mb << 20,
+                load_format=(None if ws.load_format == "per_tensor"
                              else "flattened_bucket"), timeout_s=r.timeout_s)
         return client
 
@@ -106,12 +109,12 @@ class SGLangRollout(ServerRollout):
     def _push(self, version: str) -> None:
         """Collective: push the current weights to every server as `version`."""
         t0 = time.time()
-        if self.cfg.rollout.weight_sync.mode == "distributed":
+        if self.cfg.rollout.sglang.weight_sync.mode == "distributed":
             stats = self._push_distributed(version)
         else:
             stats = self._push_disk(version)
-        stats = dict(stats or {}, version=str(version), mode=self.cfg.rollout.weight_sync.mode,
-                     seconds=time.time() - t0)
+        stats = dict(stats or {}, version=str(version),
+                     mode=self.cfg.rollout.sglang.weight_sync.mode, seconds=time.time() - t0)
         self.last_push = stats
         if dist.get_rank() == 0:
             os.makedirs(os.path.dirname(self.log_path) or ".", exist_ok=True)
@@ -122,12 +125,12 @@ class SGLangRollout(ServerRollout):
         from megatron_pdm.convert.live import iter_hf_groups
 
         r = self.cfg.rollout
-        device = "cpu" if r.weight_sync.backend == "gloo" else None
+        device = "cpu" if r.sglang.weight_sync.backend == "gloo" else None
         groups = iter_hf_groups(self._module(), self.arch, dst=0, dtype=self.push_dtype,
                                 expert_layout="per_expert", device=device)
         outcome = None
         if dist.get_rank() == 0:
-            digests: list[str] | None = [] if r.weight_sync.digest else None
+            digests: list[str] | None = [] if r.sglang.weight_sync.digest else None
 
             from rollout_bridge.core.weights import combine_digests, tensor_digest
 
@@ -202,7 +205,7 @@ class SGLangRollout(ServerRollout):
         return self._on_rank0(export_and_push)
 
     def _cleanup(self, keep: str) -> None:
-        keep_n = max(1, self.cfg.rollout.keep_synced)
+        keep_n = max(1, self.cfg.rollout.sglang.keep_synced)
         dirs = [d for d in os.listdir(self.root) if d.startswith("v") and d[1:].isdigit()]
         dirs.sort(key=lambda d: int(d[1:]))
         for d in dirs[:-keep_n]:
