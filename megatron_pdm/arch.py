@@ -1,7 +1,7 @@
 """The model architecture as plain data, and the layout arithmetic that depends on it.
 
-One typed architecture, `ModelArch` (alias `Qwen3MoeArch`, its former name), covers three HF
-families; which one a value describes follows from two fields (`family`):
+One typed architecture, `ModelArch`, covers three HF families; which one a value describes
+follows from two fields (`family`):
 
     num_experts > 0, qk_layernorm            qwen3_moe  (Qwen3-MoE: every layer MoE)
     num_experts = 0, qk_layernorm            qwen3      (dense Qwen3: q/k RMSNorm per head)
@@ -37,7 +37,7 @@ from typing import Any
 from megatron_pdm.configtree import ConfigError, check_fields, from_mapping, to_plain
 from megatron_pdm.intmath import round_up
 
-__all__ = ["FAMILIES", "MOE_FIELDS", "ModelArch", "Qwen3MoeArch", "min_world_size",
+__all__ = ["FAMILIES", "MOE_FIELDS", "ModelArch", "min_world_size",
            "padded_vocab_size", "vocab_shard_width"]
 
 
@@ -284,9 +284,6 @@ class ModelArch:
                         "pretraining_tp": 1})
         return cfg
 
-
-Qwen3MoeArch = ModelArch
-"""The former name of `ModelArch` (the same class)."""
 
 
 def _unsupported_features(cfg: dict[str, Any], family: str) -> list[str]:

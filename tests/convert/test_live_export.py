@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 
 
 def _worker(rank, world, hf_dir, tp, ep, pp, out_path):
-    from megatron_pdm.arch import Qwen3MoeArch
+    from megatron_pdm.arch import ModelArch
     from megatron_pdm.convert.checkpoint import build_local_model, fill_from_hf
     from megatron_pdm.convert.hf_io import HFReader, read_hf_config
     from megatron_pdm.convert.live import gather_hf_state_dict, iter_hf_groups
@@ -27,7 +27,7 @@ def _worker(rank, world, hf_dir, tp, ep, pp, out_path):
     from megatron_pdm.mcore.parallel import init_model_parallel
 
     init_model_parallel(tp, ep, pp)
-    arch = Qwen3MoeArch.from_hf_config(read_hf_config(hf_dir))
+    arch = ModelArch.from_hf_config(read_hf_config(hf_dir))
     reader = HFReader(hf_dir)
     model = build_local_model(arch, tp=tp, ep=ep, pp=pp)
     fill_from_hf(model, reader, arch, check_hf_tensors(reader, arch), progress=False)

@@ -11,9 +11,9 @@ from safetensors.torch import load_file, save_file
 
 from megatron_pdm.convert import expert_layouts, mapping
 from megatron_pdm.convert.hf_io import HFReader, ShardedSafetensorsWriter, parse_size
-from megatron_pdm.arch import Qwen3MoeArch
+from megatron_pdm.arch import ModelArch
 
-ARCH = Qwen3MoeArch(
+ARCH = ModelArch(
     vocab_size=1000,
     hidden_size=64,
     num_layers=2,

@@ -62,11 +62,11 @@ def _bridge_divisor(vocab_size: int) -> int:
 
 def _ours(hf_dir, grouped: bool) -> tuple[dict[str, torch.Tensor], object]:
     """This project's megatron tensors of `hf_dir` under Megatron-Bridge's (TE spec) names."""
-    from megatron_pdm.arch import Qwen3MoeArch
+    from megatron_pdm.arch import ModelArch
     from megatron_pdm.convert import expert_layouts, mapping
     from megatron_pdm.convert.hf_io import HFReader, read_hf_config
 
-    arch = Qwen3MoeArch.from_hf_config(read_hf_config(hf_dir))
+    arch = ModelArch.from_hf_config(read_hf_config(hf_dir))
     reader = HFReader(hf_dir)
     layout = mapping.check_hf_tensors(reader, arch)
     state = {name: mapping.canonical_from_hf(name, reader, arch, layout)

@@ -50,13 +50,13 @@ def test_the_cluster_architecture_has_one_source():
     import dataclasses
     import yaml
 
-    from megatron_pdm.arch import Qwen3MoeArch
+    from megatron_pdm.arch import ModelArch
 
     assert set(yaml.safe_load((EXAMPLE / "pdm.yaml").read_text())["model"]) == {
         "moe_aux_loss_coeff"}
     for script in ("train_pdm.sh", "train_pdm_fp8.sh"):
         cfg = RunConfig.load(str(EXAMPLE / "pdm.yaml"), script_overrides(script))
-        want = dataclasses.replace(Qwen3MoeArch.qwen3_30b_a3b(), moe_aux_loss_coeff=0.0)
+        want = dataclasses.replace(ModelArch.qwen3_30b_a3b(), moe_aux_loss_coeff=0.0)
         assert cfg.model == want, script
 
 

@@ -62,10 +62,10 @@ def test_forward_step_hands_the_model_device_tensors(monkeypatch):
 
 
 def test_gpu_initialises_weights_on_the_device(monkeypatch):
-    from megatron_pdm.arch import Qwen3MoeArch
+    from megatron_pdm.arch import ModelArch
     from megatron_pdm.mcore.model import transformer_config
 
-    arch = Qwen3MoeArch(vocab_size=64)
+    arch = ModelArch(vocab_size=64)
     assert transformer_config(arch).use_cpu_initialization  # no GPU here
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert not transformer_config(arch).use_cpu_initialization

@@ -47,9 +47,9 @@ def _packed():
 
 
 def _arch():
-    from megatron_pdm.arch import Qwen3MoeArch
+    from megatron_pdm.arch import ModelArch
 
-    return Qwen3MoeArch(vocab_size=V, hidden_size=H, num_layers=2, num_attention_heads=4,
+    return ModelArch(vocab_size=V, hidden_size=H, num_layers=2, num_attention_heads=4,
                         num_query_groups=2, head_dim=16, num_experts=4, moe_router_topk=2,
                         moe_ffn_hidden_size=48, max_position_embeddings=64,
                         make_vocab_size_divisible_by=DIVISIBLE, init_method_std=0.2)

@@ -177,13 +177,13 @@ def _tp_parity_worker(rank, world, ckpt_dir, out_path):
     from megatron_pdm.mcore.model import build_model, transformer_config
     from megatron_pdm.mcore.parallel import destroy_parallel, init_parallel
     from megatron_pdm.train.rollout import local as ro
-    from megatron_pdm.arch import Qwen3MoeArch
+    from megatron_pdm.arch import ModelArch
     from megatron_pdm.train.task import AdditionTask, Tokenizer
     from rollout_bridge.core.types import group_advantages
 
     tok = Tokenizer()
     task = AdditionTask(2, tok)
-    arch = Qwen3MoeArch(vocab_size=tok.vocab_size, hidden_size=64, num_layers=2,
+    arch = ModelArch(vocab_size=tok.vocab_size, hidden_size=64, num_layers=2,
                         num_attention_heads=4, num_query_groups=2, head_dim=16, num_experts=4,
                         moe_router_topk=2, moe_ffn_hidden_size=64, max_position_embeddings=64,
                         make_vocab_size_divisible_by=8, init_method_std=0.2)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatron_pdm.arch import Qwen3MoeArch
+from megatron_pdm.arch import ModelArch
 from megatron_pdm.config import PRESETS, PolicyLossConfig
 from megatron_pdm.configtree import ConfigError, convert, from_mapping
 from megatron_pdm.train.config import RunConfig
@@ -115,7 +115,7 @@ def test_run_config_loss_section_is_typed_and_overridable():
 
 def test_model_section_is_the_architecture_dataclass():
     cfg = RunConfig.load(str(TINY))
-    assert type(cfg.model) is Qwen3MoeArch
+    assert type(cfg.model) is ModelArch
     with pytest.raises(ConfigError, match=r"unknown key\(s\) \['model.hiden_size'\]"):
         RunConfig.load(str(TINY), ["model.hiden_size=32"])
     with pytest.raises(ConfigError, match="model.head_dim=16.5: expected an integer"):

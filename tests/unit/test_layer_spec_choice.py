@@ -7,7 +7,7 @@ import pathlib
 
 import pytest
 
-from megatron_pdm.arch import Qwen3MoeArch
+from megatron_pdm.arch import ModelArch
 from megatron_pdm.layout import GIB, estimate_memory, format_report, validate_layout
 from megatron_pdm.train import model_setup as ms
 from megatron_pdm.train.config import RunConfig
@@ -26,7 +26,7 @@ def test_te_spec_whenever_te_is_importable(monkeypatch, te, fp8):
 
 
 def test_local_spec_estimate_adds_the_attention_scores():
-    arch = Qwen3MoeArch.qwen3_30b_a3b()
+    arch = ModelArch.qwen3_30b_a3b()
     lay = validate_layout(arch, world_size=8, tp=4, pp=1, ep=8)
     kw = dict(micro_batch_size=2, seq_length=8192, recompute="full")
     fused = estimate_memory(arch, lay, **kw)

@@ -14,9 +14,9 @@ EXAMPLE = ROOT / "examples" / "qwen3_30b_a3b"
 
 
 def _arch():
-    from megatron_pdm.arch import Qwen3MoeArch
+    from megatron_pdm.arch import ModelArch
 
-    return Qwen3MoeArch.qwen3_30b_a3b()
+    return ModelArch.qwen3_30b_a3b()
 
 
 def _env_defaults(script: Path) -> dict:

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from megatron_pdm.arch import Qwen3MoeArch
+from megatron_pdm.arch import ModelArch
 from megatron_pdm.configtree import ConfigError
 from megatron_pdm.train.config import RunConfig
 
@@ -29,7 +29,7 @@ def test_launcher_refusals():
     from megatron_pdm.train.rollout.vllm_server.model_dir import check_servable
     from megatron_pdm.train.rollout.vllm_server.process import check_bind_host
 
-    arch = Qwen3MoeArch(vocab_size=18, hidden_size=64, num_layers=1, num_attention_heads=4,
+    arch = ModelArch(vocab_size=18, hidden_size=64, num_layers=1, num_attention_heads=4,
                         num_query_groups=2, head_dim=32, num_experts=4, moe_router_topk=2,
                         moe_ffn_hidden_size=64)
     check_servable(arch)
