@@ -1,7 +1,8 @@
 """run_gloo: run a function on `world_size` spawned CPU processes joined in a gloo group.
 
 Each worker gets (rank, world_size, *args), a default process group over 127.0.0.1, one
-intra-op thread (2-core CI boxes), and the group is destroyed in `finally`. The rendezvous store
+intra-op thread (2-core CI boxes), and the group is destroyed in `finally` (after a barrier
+when fn returned). The rendezvous store
 is created by the calling process on a port the OS assigns while binding it (port 0) and held
 until the workers are joined; the workers connect to it as clients. No port is chosen first and
 bound later, so another process cannot take it in between (with a free port handed to rank 0,
@@ -38,6 +39,12 @@ def _worker(rank: int, world_size: int, port: int, fn, args) -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
+        # every rank done with every collective before any rank tears its group down: a rank
+        # that destroyed its gloo group (and exited) while a peer still finished the last
+        # exchange aborted once in a fresh-clone run ("terminate called without an active
+        # exception", SIGABRT, tests/unit/test_own_loop.py). Not after an exception: the failed
+        # rank's exit ends the others (torch.multiprocessing terminates them).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
