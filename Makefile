@@ -15,7 +15,7 @@ NPROC   ?= 2
 # two runs on one machine never collide and no chosen port can be taken in between.
 TORCHRUN_PORT = $(if $(MASTER_PORT),--master-port $(MASTER_PORT),--standalone --local-addr 127.0.0.1)
 
-.PHONY: demo test bench venv clean vllm-venv demo-vllm real-model demo-real stability study-report simulate bench-trl
+.PHONY: real-learn demo test bench venv clean vllm-venv demo-vllm real-model demo-real stability study-report simulate bench-trl
 
 $(STAMP): setup.py constraints/ci.txt
 	$(PY) -m venv $(VENV)
@@ -123,6 +123,20 @@ demo-real: real-model vllm-venv
 		--config examples/real_cpu/config.yaml --set "rollout.vllm.url={vllm_url}" \
 		--set checkpoint.load_dir=$(REAL_MCORE) --set task.tokenizer_dir=$(REAL_MODEL) \
 		--set checkpoint.allow_fresh_start=true $(ARGS)
+
+# make real-learn [SEEDS="1 2 3"]: the real model's learning run (docs/real-model.md, "A run
+# that learns"): `make demo-real` with LEARN_ARGS once per seed (runs/real_learn/seed<k>, ~40 min
+# each on 2 quiet cores), then the seeds' held-out gains with intervals (tools/learning_report)
+# into results/real_learning. LEARN_ARGS is what results/real_learning/PREREGISTRATION.md fixed.
+SEEDS ?= 1 2 3
+LEARN_ARGS ?= --set rollout.rollout_precision=fp32 --set train.lr=1e-5 \
+	--set train.iterations=10 --set train.eval_prompts=200 --set train.eval_samples=1 \
+	--set train.eval_crosscheck=32
+real-learn: real-model vllm-venv
+	for s in $(SEEDS); do $(MAKE) demo-real ARGS="$(LEARN_ARGS) --set seed=$$s \
+		--set output_dir=runs/real_learn/seed$$s $(ARGS)" || exit 1; done
+	$(VPY) -m megatron_pdm.tools.learning_report $(foreach s,$(SEEDS),runs/real_learn/seed$(s)) \
+		--out results/real_learning
 
 # make study-report: docs/mask-study.md's generated tables rewritten from the stored study
 # results they name (results/mask_study/*/results.json; megatron_pdm/analysis/stored.py).

@@ -112,6 +112,7 @@ CONSOLE_SCRIPTS = [
     "megatron-pdm-stability = megatron_pdm.tools.stability:cli",
     "megatron-pdm-study-report = megatron_pdm.tools.study_report:main",
     "megatron-pdm-simulate = megatron_pdm.tools.simulate:main",
+    "megatron-pdm-learning-report = megatron_pdm.tools.learning_report:main",
 ]
 
 setup(

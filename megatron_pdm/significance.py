@@ -32,6 +32,8 @@ __all__ = ["bootstrap_ci", "holm", "mcnemar_exact", "paired_bootstrap_ci", "powe
 
 EXACT_FLIP_LIMIT = 20
 """sign_flip_test enumerates all 2^n sign patterns up to this many non-zero differences."""
+SIGN_FLIP_RESAMPLES = 20000
+"""Random sign patterns of `sign_flip_test` above the exact limit (its p has floor 1 / (1 + this))."""
 
 
 def _finite(values: Sequence[float], what: str) -> list[float]:
@@ -64,7 +66,8 @@ def sign_test(diffs: Sequence[float]) -> dict:
             "p": _binom_two_sided(pos, pos + neg)}
 
 
-def sign_flip_test(diffs: Sequence[float], *, resamples: int = 20000, seed: int = 0) -> dict:
+def sign_flip_test(diffs: Sequence[float], *, resamples: int = SIGN_FLIP_RESAMPLES,
+                   seed: int = 0) -> dict:
     """Two-sided paired permutation test of mean(diffs) = 0 by sign flips.
 
     Under the null each difference is as likely positive as negative. The p-value is the share

@@ -32,6 +32,7 @@ from contextlib import contextmanager
 
 import torch
 
+from megatron_pdm.intmath import ceil_div, round_up
 from megatron_pdm.mcore.fp8 import row_alignment
 
 BLOCK = 128  # the blockwise recipe's Float8BlockQuantizer.block_len (weights: 128 x 128 blocks)
@@ -115,7 +116,7 @@ class Fp8GemmCheck:
         if ".local_experts." not in name:
             return shape
         a = expert_align(self.recipe)
-        return (math.ceil(shape[0] / a) * a, *shape[1:])
+        return (round_up(shape[0], a), *shape[1:])
 
     def _pre_hook(self, name: str):
         def hook(module, args):
@@ -178,7 +179,7 @@ def weight_copy_shapes(shape, recipe: str) -> list[tuple[tuple, torch.dtype]]:
     out = [(tuple(shape), torch.uint8)]
     if recipe == "blockwise":
         rows, cols = math.prod(shape[:-1]), shape[-1]
-        out.append(((math.ceil(rows / BLOCK), math.ceil(cols / BLOCK)), torch.float32))
+        out.append(((ceil_div(rows, BLOCK), ceil_div(cols, BLOCK)), torch.float32))
     return out
 
 

@@ -156,6 +156,14 @@ class TrainConfig:
     adam_beta2: float = 0.99
     eval_prompts: int = 256
     """Held-out prompts for the greedy exact-match evaluation before/after warm-up and RL."""
+    eval_samples: int = 0
+    """Sampled accuracy too: this many responses per held-out problem at rollout.temperature
+    (0: greedy only). Per-problem results in OUTPUT_DIR/eval.jsonl; intervals and the paired
+    gain in summary.json's "heldout" (megatron_pdm/train/evaluation.py)."""
+    eval_crosscheck: int = 0
+    """Teacher-force the engine's greedy responses to the first this-many held-out problems
+    through the trainer's own forward at every evaluation: the share the trainer reproduces
+    token by token (eval.jsonl, summary.json "heldout"). Needs parallel.pp=1 and no fused head."""
     eval_interval: int = 0
     """Also evaluate after every `eval_interval`-th RL iteration (0: before and after RL only).
     The accuracies are `summary.json`'s `greedy_acc_by_iteration` (RL iteration -> accuracy, 0
@@ -175,7 +183,11 @@ class TrainConfig:
         check_positive("train", self, "iterations", "minibatches_per_iteration",
                        "microbatches_per_minibatch", "lr", "epochs_per_batch")
         check_positive("train", self, "weight_decay", "clip_grad", "eval_prompts",
-                       "lr_warmup_steps", "eval_interval", allow_zero=True)
+                       "lr_warmup_steps", "eval_interval", "eval_samples", "eval_crosscheck",
+                       allow_zero=True)
+        if self.eval_crosscheck > self.eval_prompts:
+            raise ConfigError(f"train.eval_crosscheck={self.eval_crosscheck} exceeds "
+                              f"train.eval_prompts={self.eval_prompts}")
         for name in ("adam_beta1", "adam_beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"train.{name}={getattr(self, name)} must be in [0, 1)")
@@ -247,6 +259,11 @@ def check_consistency(cfg: RunConfig) -> None:
         raise ConfigError(
             f"train.minibatches_per_iteration={cfg.train.minibatches_per_iteration} exceeds the "
             f"{samples} samples per iteration (rollout.prompts_per_iteration x group_size)")
+    if cfg.train.eval_crosscheck and (cfg.parallel.pp > 1 or cfg.train.fused_head):
+        raise ConfigError(
+            f"train.eval_crosscheck={cfg.train.eval_crosscheck} needs the full logits on one "
+            f"stage: parallel.pp={cfg.parallel.pp} (needs 1) / train.fused_head="
+            f"{cfg.train.fused_head} (needs false)")
     for name in ("weight_decay", "clip_grad"):
         if not math.isfinite(getattr(cfg.train, name)):
             raise ConfigError(f"train.{name}={getattr(cfg.train, name)!r} must be finite")

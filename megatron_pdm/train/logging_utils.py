@@ -189,10 +189,13 @@ class Progress:
             self.lines = True
             self.every = max(1, total // 20)
 
-    def update(self, reward: float, masked: float, mismatch: float) -> None:
+    def update(self, reward: float, masked: float | None, mismatch: float) -> None:
+        """`masked` is None or NaN when the batch has no token with a non-zero advantage (every
+        group's rewards equal): printed as "n/a", not as a number."""
         self.done += 1
+        masked_s = "n/a" if masked is None or masked != masked else f"{masked:.4f}"
         if self.bar is not None:
-            self.bar.set_postfix(reward=f"{reward:.3f}", masked=f"{masked:.4f}",
+            self.bar.set_postfix(reward=f"{reward:.3f}", masked=masked_s,
                                  mismatch=f"{mismatch:.2e}")
             self.bar.update(1)
         elif self.lines and (self.done % self.every == 0 or self.done == self.total):
@@ -200,7 +203,7 @@ class Progress:
             rate = (self.done - self.start_done) / elapsed if elapsed > 0 else float("nan")
             left = (self.total - self.done) / rate if rate > 0 else float("nan")
             print(f"RL {self.done}/{self.total} ({100 * self.done // self.total}%) "
-                  f"reward {reward:.3f} masked {masked:.4f} mismatch {mismatch:.2e} | "
+                  f"reward {reward:.3f} masked {masked_s} mismatch {mismatch:.2e} | "
                   f"{elapsed:.0f} s, {rate:.2f} it/s, ~{left:.0f} s left",
                   file=self.stream, flush=True)
 

@@ -23,6 +23,7 @@ import os
 
 import torch
 
+from megatron_pdm.train import evaluation
 from megatron_pdm.train.logging_utils import read_metrics
 
 logger = logging.getLogger(__name__)
@@ -185,6 +186,29 @@ def format_table(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def _ci(ci) -> str:
+    return f"[{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "[-]"
+
+
+def heldout_lines(heldout: dict) -> str:
+    """The held-out gain under the summary table (empty without both ends)."""
+    g = heldout.get("gain")
+    if not g:
+        return ""
+    ev_a, ev_b = heldout["evaluations"][g["from"]], heldout["evaluations"][g["to"]]
+    out = [f"\nheld-out gain {g['from']} -> {g['to']} on {g['problems']} problems "
+           "(paired bootstrap 95%, descriptive):"]
+    for kind in ("greedy", "sampled"):
+        if kind not in g:
+            continue
+        d = g[kind]
+        p = (f"McNemar p {d['mcnemar_p']:.3g}" if "mcnemar_p" in d
+             else f"sign-flip p {d['sign_flip_p']:.3g}")
+        out.append(f"  {kind}: {ev_a[kind]['acc']:.3f} -> {ev_b[kind]['acc']:.3f}, gain "
+                   f"{d['gain']:+.3f} {_ci(d['paired_bootstrap_ci95'])}, {p}")
+    return "\n".join(out)
+
+
 def finish(cfg, evals: dict, wall_s: float) -> dict:
     """Rank 0: plot, summary.json, summary.md; prints the table. Returns the summary."""
     rows = read_metrics(os.path.join(cfg.output_dir, "metrics.jsonl"))
@@ -196,6 +220,9 @@ def finish(cfg, evals: dict, wall_s: float) -> dict:
         plot_runs({summary["preset"]: rows}, os.path.join(cfg.output_dir, "plot.png"),
                   title=f"{summary['preset']} (seed {cfg.seed})", evals=evals)
     table = format_table(summary)
+    # per-problem held-out records (train/evaluation.py): intervals and the paired gain
+    summary["heldout"] = evaluation.summarize_heldout(evaluation.read_records(cfg.output_dir))
+    table += heldout_lines(summary["heldout"])
     with open(os.path.join(cfg.output_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     with open(os.path.join(cfg.output_dir, "summary.md"), "w") as f:

@@ -32,9 +32,11 @@ uninterrupted run's metrics exactly (tested by killing the process).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
+from statistics import fmean
 
 import torch
 import torch.distributed as dist
@@ -48,6 +50,7 @@ from megatron_pdm.mcore.lm_head import lm_head_of
 from megatron_pdm.mcore.device import place
 from megatron_pdm.mcore.model import build_model, transformer_config
 from megatron_pdm.mcore.parallel import current_parallel_info, init_parallel
+from megatron_pdm.train import evaluation as ev
 from megatron_pdm.train import model_setup as ms
 from megatron_pdm.train import resume as resume_rules
 from megatron_pdm.train import warmup as wu
@@ -67,7 +70,7 @@ from megatron_pdm.train import schedule as sched
 from megatron_pdm.train.schedule import optimizer_step, reduce_step_metrics, rl_lr
 from megatron_pdm.train.task import build_task
 from rollout_bridge.core.packing import pack_padded
-from rollout_bridge.core.types import group_advantages
+from rollout_bridge.core.types import frac_solved_groups, group_advantages, sampled_entropy
 
 logger = logging.getLogger(__name__)
 
@@ -158,19 +161,32 @@ class Trainer:
     def _greedy_accuracy(self, problems: list) -> float:
         with latest_weights(self.rollout):  # rollout.local.staleness: evaluate the newest policy
             batch = self._generate(problems, 0.0, 1)
-        return sum(self.task.score(q, s.response_ids.tolist())
-                   for q, s in zip(problems, batch.samples)) / len(problems)
+        return fmean(ev.score_samples(self.task, problems, batch, 1))
 
     def evaluate(self, name: str) -> float:
-        """Greedy exact-match accuracy of the engine on held-out prompts."""
-        problems = self.task.eval_problems(self.cfg.seed, self.cfg.train.eval_prompts)
+        """Held-out evaluation through the engine (megatron_pdm/train/evaluation.py, `run_heldout`);
+        rank 0 appends the per-problem record to eval.jsonl. Collective."""
+        t = self.cfg.train
+        problems = self.task.eval_problems(self.cfg.seed, t.eval_prompts)
         if not problems:
             return float("nan")
-        acc = self._greedy_accuracy(problems)
-        self.evals[name] = acc
-        log_rank0("eval %s: greedy exact-match accuracy %.3f", name, acc)
+        with latest_weights(self.rollout):  # rollout.local.staleness: the newest policy
+            rec, greedy = ev.run_heldout(name, self.iteration, self.task, problems, self._generate,
+                                         aside=self.feed.aside, eval_samples=t.eval_samples,
+                                         temperature=self.cfg.rollout.temperature)
+        if t.eval_crosscheck:
+            sub = [s for s in greedy.samples if s.group_index < t.eval_crosscheck]
+            rec.crosscheck = ev.crosscheck(
+                self.module, dataclasses.replace(greedy, samples=sub), pad_id=self.task.pad_id,
+                pad_to_multiple_of=ms.seq_multiple(self.cfg), tp=self.cfg.parallel.tp)
+        acc = self.evals[name] = rec.greedy_acc
+        if is_rank0():
+            ev.append_record(self.cfg.output_dir, rec)
+        log_rank0("eval %s: %s", name, ev.describe(rec))
         if self.writer is not None:
             self.writer.scalar(f"eval/greedy_acc_{name}", acc, self.step)
+            if rec.sampled:
+                self.writer.scalar(f"eval/sampled_acc_{name}", fmean(rec.sampled), self.step)
         return acc
 
     def warmup(self) -> None:
@@ -227,7 +243,7 @@ class Trainer:
                 for j, idx in enumerate(sched.minibatch_plan(
                     cfg.seed, self.iteration, len(batch.samples),
                     cfg.train.minibatches_per_iteration, epoch=e))]
-        entropy = _sampled_entropy(batch)
+        entropy = sampled_entropy(batch)
         version = (float(batch.weight_version) if str(batch.weight_version).isdigit()
                    else float("nan"))
         staleness = self.iteration - version  # trainer weights = version str(self.iteration)
@@ -250,7 +266,7 @@ class Trainer:
             last = {M.STEP: self.step, M.ITERATION: self.iteration, M.MINIBATCH: j,
                     M.EPOCH: e, M.STEPS_THIS_BATCH: steps_this_batch, M.ENTROPY_SAMPLED: entropy,
                     M.REWARD_MEAN: sum(rewards) / len(rewards),
-                    M.REWARD_FRAC_SOLVED_GROUPS: _frac_solved(rewards, r.group_size),
+                    M.REWARD_FRAC_SOLVED_GROUPS: frac_solved_groups(rewards, r.group_size),
                     M.RESPONSE_LEN: float(packed.loss_mask.sum()) / len(batch.samples),
                     M.LR: lr, M.GRAD_NORM: grad_norm, **means,
                     M.WEIGHT_VERSION: version, M.STALENESS: staleness,
@@ -342,7 +358,7 @@ class Trainer:
                             row.get(M.ABS_LOGPROB_DIFF, float("nan")))
             k = cfg.train.eval_interval
             if k > 0 and self.iteration % k == 0 and self.iteration < cfg.train.iterations:
-                with self.feed.aside():  # the run's next rollouts as without this evaluation
+                  with self.feed.aside():  # the run's next rollouts as without this evaluation
                     self.evaluate(f"rl_iter{self.iteration}")  # the last: "after_rl" below
             if every > 0 and self.iteration % every == 0 and self.iteration < cfg.train.iterations:
                 self.save()
@@ -351,21 +367,6 @@ class Trainer:
         writer.close()
         self.save()
         return {"wall_s": time.time() - start}
-
-
-def _sampled_entropy(batch) -> float:
-    """Mean -log mu over the sampled response tokens (loss tokens) of the batch."""
-    total, count = 0.0, 0
-    for s in batch.samples:
-        lp_T = s.behavior_logprob if s.loss_mask is None else s.behavior_logprob[s.loss_mask]
-        total += float(-lp_T.double().sum())
-        count += int(lp_T.numel())
-    return total / max(count, 1)
-
-
-def _frac_solved(rewards: list[float], group: int) -> float:
-    groups = [rewards[i:i + group] for i in range(0, len(rewards), group)]
-    return sum(1.0 for g in groups if max(g) > 0) / max(len(groups), 1)
 
 
 def run_main(cfg: RunConfig, *, resume: bool) -> dict:

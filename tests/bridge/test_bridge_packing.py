@@ -84,3 +84,22 @@ def test_group_advantages(batch):
         assert adv[groups == g].sum().abs() < 1e-6
     with pytest.raises(ValueError):
         pack_padded(batch, adv[:-1])
+
+
+def test_sampled_entropy_counts_loss_tokens_only(batch):
+    from rollout_bridge.core.types import sampled_entropy
+
+    lp_T = torch.cat([s.behavior_logprob[s.loss_mask] for s in batch.samples]).double()
+    assert sampled_entropy(batch) == pytest.approx(float(-lp_T.mean()), rel=1e-12)
+    s1 = batch.samples[1]
+    assert not s1.loss_mask[0]
+    s1.behavior_logprob[0] = -1e6  # a non-loss token: no effect
+    assert sampled_entropy(batch) == pytest.approx(float(-lp_T.mean()), rel=1e-12)
+
+
+def test_frac_solved_groups():
+    from rollout_bridge.core.types import frac_solved_groups
+
+    assert frac_solved_groups([0, 0, 1, 0, 0, 0], 2) == pytest.approx(1 / 3)
+    assert frac_solved_groups([0.5, 0, 0, 1], 2) == 1.0
+    assert frac_solved_groups([], 4) == 0.0

@@ -55,7 +55,7 @@ ALLOWED = {
     # framework adapters (slime's custom loss) over the own-loop API; TP group from mcore
     "integrations": {"own_loop", "ops", "config", "mcore"},
     "mcore": {"ops", "parallel", "loss", "config", "configtree", "metrics", "arch", "fsutil",
-              "triton_stub"},
+              "triton_stub", "intmath"},
     "convert": {"arch", "configtree", "layout", "mcore", "ops", "netutil"},
     "analysis": {"ops", "parallel", "loss", "config", "configtree", "metrics", "arch", "mcore",
                  "rollout_bridge", "rb.core", "train", "cli", "significance", "hostinfo"},

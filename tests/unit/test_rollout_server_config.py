@@ -64,10 +64,10 @@ def test_pause_wait_is_checked(value, match):
 def test_pause_wait_reaches_the_vllm_client():
     import types
 
-    from megatron_pdm.train.rollout.vllm import VLLMRollout
+    from megatron_pdm.train.rollout.vllm import VLLMGlue
 
     cfg = RunConfig.load(None, [*VLLM, "rollout.vllm.pause_wait_s=7.5",
                                 "rollout.vllm.restart_wait_s=2"])
-    owner = types.SimpleNamespace(cfg=cfg, arch=types.SimpleNamespace(vocab_size=18))
-    client = VLLMRollout._make_client(owner)  # builds the client only: no request is sent
+    glue = VLLMGlue(cfg, types.SimpleNamespace(vocab_size=18))
+    client = glue.make_client()  # builds the client only: no request is sent
     assert client.pause_wait_s == 7.5 and client.weights.recover_timeout_s == 2.0

@@ -1,7 +1,7 @@
 """torchrun worker of the on-policy exactness check (tests/vllm/test_2_exactness.py).
 
 Builds the driver's `Trainer` (rollout.engine=vllm, fp32 weights, fp32 server), pushes the live
-sharded weights to vLLM (`VLLMRollout._push`: gather -> safetensors -> /collective_rpc), draws a
+sharded weights to vLLM (`VLLMGlue.push`: gather -> safetensors -> /collective_rpc), draws a
 batch there, and scores the same sequences with the Megatron model at this TP: per loss token,
 |log pi(sampled) - engine logprob| and, over every valid top-K support slot,
 |log pi(id) - engine logprob(id)|, with log pi = log_softmax(logits / T) over the engine's

@@ -7,8 +7,8 @@ Reading order:
                  `GatheredGPT`), the `rollout.local.staleness` weight queue
   server.py      `ServerRollout`: rank 0 drives a server engine and broadcasts every batch;
                  background `submit` / `collect` for `rollout.overlap`
-  sglang.py      `SGLangRollout`: the SGLang client and its disk or broadcast weight sync
-  vllm.py        `VLLMRollout`: the vLLM client and its in-memory weight push
+  sglang.py      `SGLangGlue`: the SGLang client and its disk or broadcast weight sync
+  vllm.py        `VLLMGlue`: the vLLM client and its in-memory weight push
   feed.py        `sampling_params` (the one sampling-params dict) and `RolloutFeed` (the
                  iteration's batch; one generated ahead with `rollout.overlap`)
   store.py       saved rollout batches (`log.save_rollouts`) and the overlap batch in checkpoints

@@ -12,8 +12,11 @@ thread while the trainer keeps training, which is how rollouts overlap with trai
 joins the thread, checks the batch against that version and broadcasts it. Weight pushes must
 not run while a generation is in flight (`sync` refuses).
 
-Subclasses provide the client (`_make_client`, rank 0 only) and the push (`_push`, collective:
-gathering the weights involves every rank).
+A `ServerRollout` is composed with its engine's glue (sglang.py `SGLangGlue`, vllm.py
+`VLLMGlue`), which provides the client (`make_client`, rank 0 only), the start-up check
+(`check_server`, rank 0), the push (`push`, collective: gathering the weights involves every rank)
+and what of the client's state a checkpoint or an evaluation keeps (`client_state`); everything
+else, the same for every server engine, is here.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch.distributed as dist
 
@@ -63,37 +66,52 @@ class PendingRollout:
         self.started = time.time()
 
 
-class ServerRollout:
-    """Base class: rank 0 drives a server engine; every rank gets the same batches."""
+class EngineGlue(Protocol):
+    """The engine-specific part of a `ServerRollout` (sglang.py, vllm.py)."""
 
-    def __init__(self, cfg, arch, trainer_module_fn: Callable):
+    name: str
+    last_push: dict
+
+    def make_client(self) -> Any:
+        """Rank 0: the engine client (a `rollout_bridge` engine)."""
+
+    def check_server(self, client) -> Any:
+        """Rank 0: start-up checks against the server (raise on a mismatch); a summary."""
+
+    def push(self, rollout: ServerRollout, version: str) -> None:
+        """Collective: push the trainer's current weights (`rollout.module()`) as `version`,
+        rank 0's part through `rollout.client` / `rollout.on_rank0`."""
+
+    def client_state(self, client) -> Any:
+        """Rank 0: what seeds the client's next requests (None: the server seeds its own)."""
+
+    def load_client_state(self, client, state) -> None:
+        """Rank 0: restores `client_state`'s value."""
+
+
+class ServerRollout:
+    """Rank 0 drives a server engine through its glue; every rank gets the same batches."""
+
+    def __init__(self, cfg, arch, trainer_module_fn: Callable, glue: EngineGlue):
         self.cfg = cfg
         self.arch = arch
-        self._module = trainer_module_fn
+        self.glue = glue
+        self.module = trainer_module_fn
         self.version: str | None = None
         self.last_sync_s = 0.0
         self._in_flight: PendingRollout | None = None
-        self.client = self._make_client() if dist.get_rank() == 0 else None
-        # what the server said at start-up (the subclass's summary), the same on every rank
-        self.server_info = self._on_rank0(self._check_server)
+        self.client = glue.make_client() if dist.get_rank() == 0 else None
+        # what the server said at start-up (the glue's summary), the same on every rank
+        self.server_info = self.on_rank0(lambda: glue.check_server(self.client))
 
-    # ------------------------------------------------------------------ subclass API
-
-    def _make_client(self):
-        """Rank 0: the engine client (a `rollout_bridge` engine)."""
-        raise NotImplementedError
-
-    def _check_server(self) -> Any:
-        """Rank 0: startup checks against the server (raise on a mismatch)."""
-        return self.client.check_server()
-
-    def _push(self, version: str) -> None:
-        """Collective: push the trainer's current weights to the server as `version`."""
-        raise NotImplementedError
+    @property
+    def last_push(self) -> dict:
+        """The last push's facts (bytes, seconds, digest, ...), as the glue recorded them."""
+        return self.glue.last_push
 
     # ------------------------------------------------------------------ helpers
 
-    def _on_rank0(self, fn: Callable[[], Any]) -> Any:
+    def on_rank0(self, fn: Callable[[], Any]) -> Any:
         """Runs fn on rank 0 and broadcasts its result (or its exception) to every rank."""
         outcome = capture(fn, "rank 0 rollout-server call failed") if dist.get_rank() == 0 else None
         return share_from_rank0(outcome)
@@ -132,7 +150,7 @@ class ServerRollout:
                 check_weight_version(batch, pending.expected_version)
             return batch
 
-        return self._on_rank0(finish)
+        return self.on_rank0(finish)
 
     def generate(self, prompt_ids: list[list[int]], params: dict, n: int) -> RolloutBatch:
         """Collective: submit + collect."""
@@ -145,7 +163,7 @@ class ServerRollout:
         if self._in_flight is not None:
             raise RuntimeError("weight sync while a generation is in flight: collect it first")
         t0 = time.time()
-        self._push(str(version))
+        self.glue.push(self, str(version))
         self.version = str(version)
         self.last_sync_s = time.time() - t0
         logger.info("weight sync to version %s: %.2f s", version, self.last_sync_s)
@@ -153,16 +171,23 @@ class ServerRollout:
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict:
-        return {"version": self.version}
+        state = {"version": self.version}
+        if self.client is not None:  # rank 0: e.g. vLLM's request-seed counter (exact resume)
+            client = self.glue.client_state(self.client)
+            if client is not None:
+                state["client"] = client
+        return state
 
     def sampling_state(self):
-        """What seeds the next requests: nothing here (the server seeds its own sampling);
-        VLLMRollout keeps its client's request-seed counter."""
-        return None
+        """What seeds the next requests (rank 0's client state; None elsewhere)."""
+        return None if self.client is None else self.glue.client_state(self.client)
 
     def restore_sampling_state(self, state) -> None:
-        pass
+        if self.client is not None and state is not None:
+            self.glue.load_client_state(self.client, state)
 
     def load_state_dict(self, state: dict) -> None:
         # After a resume the trainer pushes its restored weights again (same version string).
         self.version = state.get("version")
+        if self.client is not None and state.get("client") is not None:
+            self.glue.load_client_state(self.client, state["client"])

@@ -3,7 +3,8 @@
 Rollout: global rank 0 sends the iteration's prompts to `rollout_bridge.SGLangEngine`
 (`rollout.sglang.url`, or several servers in `rollout.sglang.urls`: prompts spread round-robin,
 a retry goes to the next server; token ids in, top-K logprobs out); the rank-0 driving, the
-version check and the broadcast to every rank are `ServerRollout`'s (server.py). The API
+version check and the broadcast to every rank are `ServerRollout`'s (server.py), composed with
+`SGLangGlue` (this file). The API
 key (SGLang --api-key) comes from `rollout.sglang.api_key_file` or the environment variable named
 by `rollout.sglang.api_key_env`; only those names are in the config.
 
@@ -46,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_pdm.netutil import free_port
-from megatron_pdm.train.rollout.server import ServerRollout, capture, share_from_rank0
+from megatron_pdm.train.rollout.server import capture, share_from_rank0
 
 logger = logging.getLogger(__name__)
 
@@ -59,11 +60,16 @@ def push_dtype_name(cfg) -> str:
     return cfg.precision.params_dtype
 
 
-class SGLangRollout(ServerRollout):
-    """Rank 0 talks to SGLang; every rank receives the same `RolloutBatch` (server.py)."""
+class SGLangGlue:
+    """SGLang's part of a `ServerRollout` (server.py `EngineGlue`): the client (and the
+    broadcast sender of the distributed weight sync) and the push, distributed or by disk."""
 
-    def __init__(self, cfg, arch, trainer_module_fn, *, meta: dict | None, style: str):
+    name = "sglang"
+
+    def __init__(self, cfg, arch, *, meta: dict | None, style: str):
         r = cfg.rollout
+        self.cfg = cfg
+        self.arch = arch
         self.style = style
         self.root = os.path.abspath(r.sglang.hf_checkpoint) if r.sglang.hf_checkpoint else None
         self.meta_base = meta or {}
@@ -73,9 +79,8 @@ class SGLangRollout(ServerRollout):
         self.sender = None
         self.last_push: dict = {}
         self.log_path = os.path.join(cfg.output_dir, "weight_sync.jsonl")
-        super().__init__(cfg, arch, trainer_module_fn)
 
-    def _make_client(self):
+    def make_client(self):
         from rollout_bridge import SGLangEngine
         from rollout_bridge.core.apikey import read_api_key
 
@@ -104,15 +109,24 @@ class SGLangRollout(ServerRollout):
                              else "flattened_bucket"), timeout_s=r.timeout_s)
         return client
 
+    def check_server(self, client):
+        return client.check_server()
+
+    def client_state(self, client):
+        return None  # each server seeds its own sampling
+
+    def load_client_state(self, client, state) -> None:
+        pass
+
     # ------------------------------------------------------------------ weight sync
 
-    def _push(self, version: str) -> None:
+    def push(self, rollout, version: str) -> None:
         """Collective: push the current weights to every server as `version`."""
         t0 = time.time()
         if self.cfg.rollout.sglang.weight_sync.mode == "distributed":
-            stats = self._push_distributed(version)
+            stats = self._push_distributed(rollout, version)
         else:
-            stats = self._push_disk(version)
+            stats = self._push_disk(rollout, version)
         stats = dict(stats or {}, version=str(version),
                      mode=self.cfg.rollout.sglang.weight_sync.mode, seconds=time.time() - t0)
         self.last_push = stats
@@ -121,12 +135,12 @@ class SGLangRollout(ServerRollout):
             with open(self.log_path, "a") as f:
                 f.write(json.dumps(stats) + "\n")
 
-    def _push_distributed(self, version: str) -> dict:
+    def _push_distributed(self, rollout, version: str) -> dict:
         from megatron_pdm.convert.live import iter_hf_groups
 
         r = self.cfg.rollout
         device = "cpu" if r.sglang.weight_sync.backend == "gloo" else None
-        groups = iter_hf_groups(self._module(), self.arch, dst=0, dtype=self.push_dtype,
+        groups = iter_hf_groups(rollout.module(), self.arch, dst=0, dtype=self.push_dtype,
                                 expert_layout="per_expert", device=device)
         outcome = None
         if dist.get_rank() == 0:
@@ -175,14 +189,14 @@ class SGLangRollout(ServerRollout):
             "hf_config": self.meta_base.get("hf_config") or {},
         }
 
-    def _push_disk(self, version: str) -> dict:
+    def _push_disk(self, rollout, version: str) -> dict:
         from megatron_pdm.mcore.checkpoint import save_model
 
         scratch = os.path.join(self.root, f".dist_v{version}")
         target = os.path.join(self.root, f"v{version}")
         if dist.get_rank() == 0 and os.path.isdir(scratch):
             shutil.rmtree(scratch)
-        save_model(scratch, self._module())
+        save_model(scratch, rollout.module())
 
         def export_and_push():
             from megatron_pdm.convert.checkpoint import META_FILE
@@ -198,11 +212,11 @@ class SGLangRollout(ServerRollout):
             export_to_hf(scratch, target, expert_layout="per_expert", dtype=self.export_dtype,
                          progress=False)
             shutil.rmtree(scratch, ignore_errors=True)
-            self.client.update_weights_from_disk(target, str(version))
+            rollout.client.update_weights_from_disk(target, str(version))
             self._cleanup(keep=target)
             return {"path": target}
 
-        return self._on_rank0(export_and_push)
+        return rollout.on_rank0(export_and_push)
 
     def _cleanup(self, keep: str) -> None:
         keep_n = max(1, self.cfg.rollout.sglang.keep_synced)

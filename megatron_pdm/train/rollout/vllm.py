@@ -3,9 +3,9 @@
 Rollout: global rank 0 sends the iteration's prompts to `rollout_bridge.vllm.client.VLLMEngine`
 (`rollout.vllm.url`; token ids in, top-K log-probs with ids out, one seed per sample); the rank-0
 driving, the background generation of `rollout.overlap`, the version check and the broadcast to
-every rank are `ServerRollout`'s (server.py).
+every rank are `ServerRollout`'s (server.py), composed with `VLLMGlue` (this file).
 
-Weight sync (`_push`, collective; once before the first rollout, after each iteration's
+Weight sync (`VLLMGlue.push`, collective; once before the first rollout, after each iteration's
 optimizer steps, after a resume):
 1. `megatron_pdm.convert.live.gather_hf_state_dict` gathers the live, sharded model (any
    TP/EP/PP) as full HF-named tensors on global rank 0, one layer group at a time (vocabulary
@@ -32,25 +32,26 @@ import logging
 
 import torch
 
-from megatron_pdm.train.rollout.server import ServerRollout
-
 logger = logging.getLogger(__name__)
 
 
-class VLLMRollout(ServerRollout):
-    """Rank 0 talks to vLLM; every rank receives the same `RolloutBatch` (server.py)."""
+class VLLMGlue:
+    """vLLM's part of a `ServerRollout` (server.py `EngineGlue`): the client, the start-up
+    facts, the in-memory push and the client's request-seed counter."""
 
-    def __init__(self, cfg, arch, trainer_module_fn):
-        r = cfg.rollout
-        if r.rollout_precision in ("bf16", "fp8"):
+    name = "vllm"
+
+    def __init__(self, cfg, arch):
+        self.cfg = cfg
+        self.arch = arch
+        if cfg.rollout.rollout_precision in ("bf16", "fp8"):
             self.push_dtype = torch.bfloat16
         else:
             self.push_dtype = {"fp32": torch.float32,
                                "bf16": torch.bfloat16}[cfg.precision.params_dtype]
         self.last_push: dict = {}
-        super().__init__(cfg, arch, trainer_module_fn)
 
-    def _make_client(self):
+    def make_client(self):
         from rollout_bridge.core.apikey import read_api_key
         from rollout_bridge.vllm.client import VLLMEngine
 
@@ -67,8 +68,8 @@ class VLLMRollout(ServerRollout):
             allow_insecure_dev_routes=r.vllm.allow_insecure_dev_routes,
             push_dir=r.vllm.push_dir)
 
-    def _check_server(self) -> dict:
-        info = self.client.check_server()
+    def check_server(self, client) -> dict:
+        info = client.check_server()
         facts = info["facts"][0]
         logger.info("vLLM server %s: model %s, vLLM %s, dtype %s, vocab %s, weight version %s, "
                     "dev routes %s", self.cfg.rollout.vllm.url, info["model"],
@@ -78,38 +79,25 @@ class VLLMRollout(ServerRollout):
         return {"engine": "vllm", "model": info["model"], "weight_version": info["weight_version"],
                 "vllm_version": info["vllm_version"], "dtype": facts.get("dtype")}
 
-    def _push(self, version: str) -> None:
+    def push(self, rollout, version: str) -> None:
         """Collective: gather the live weights on rank 0 and push them to vLLM as `version`."""
         from megatron_pdm.convert.live import gather_hf_state_dict
 
-        state = gather_hf_state_dict(self._module(), self.arch, dst=0, dtype=self.push_dtype,
+        state = gather_hf_state_dict(rollout.module(), self.arch, dst=0, dtype=self.push_dtype,
                                      expert_layout="per_expert", device="cpu")
 
         def push():
-            self.client.update_weights(state, str(version))
-            info = self.client.last_push_info
+            client = rollout.client
+            client.update_weights(state, str(version))
+            info = client.last_push_info
             return {"bytes": info.get("bytes"), "push_s": info.get("push_s"),
-                    "digest": info.get("digest"), "repushes": self.client.num_repushes}
+                    "digest": info.get("digest"), "repushes": client.num_repushes}
 
-        self.last_push = self._on_rank0(push)
+        self.last_push = rollout.on_rank0(push)
         state.clear()
 
-    # ------------------------------------------------------------------ state
+    def client_state(self, client):
+        return client.state_dict()  # the request-seed counter: exact resume and evaluations
 
-    def state_dict(self) -> dict:
-        state = super().state_dict()
-        if self.client is not None:  # rank 0: the request-seed counter (exact resume)
-            state["client"] = self.client.state_dict()
-        return state
-
-    def sampling_state(self):
-        return None if self.client is None else self.client.state_dict()  # rank 0's counter
-
-    def restore_sampling_state(self, state) -> None:
-        if self.client is not None and state is not None:
-            self.client.load_state_dict(state)
-
-    def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
-        if self.client is not None and state.get("client") is not None:
-            self.client.load_state_dict(state["client"])
+    def load_client_state(self, client, state) -> None:
+        client.load_state_dict(state)
