@@ -40,6 +40,7 @@ from statistics import fmean
 import torch
 
 from megatron_pdm import significance as sig
+from megatron_pdm.train.jsonl_task import ended_with_eos
 
 __all__ = ["EVAL_FILE", "TIE_TOL_NATS", "EvalRecord", "append_record", "crosscheck", "describe",
            "greedy_facts", "read_records", "run_heldout", "score_samples", "summarize_heldout"]
@@ -99,7 +100,7 @@ def greedy_facts(task, problems: list, batch) -> tuple[list[int], list[bool] | N
         i = _problem_index(s, problems)
         ids = s.response_ids.tolist()
         lens[i] = len(ids)
-        finished[i] = eos is not None and bool(ids) and ids[-1] == eos
+        finished[i] = eos is not None and ended_with_eos(ids, eos)
     return lens, (finished if eos is not None else None)
 
 

@@ -84,6 +84,12 @@ def eos_and_pad(tokenizer, where: str) -> tuple[int, int]:
     return int(tokenizer.eos_token_id), int(pad)
 
 
+def ended_with_eos(ids: list[int], eos_id: int) -> bool:
+    """Whether a response finished: its last token is the eos (a response cut at
+    max_new_tokens did not, and has no final answer)."""
+    return bool(ids) and int(ids[-1]) == eos_id
+
+
 def encode_prompt(tokenizer, text: str) -> list[int]:
     """Prompt ids of `text`: one user turn + the generation prompt through the tokenizer's chat
     template if it has one, else the plain text (with the tokenizer's BOS if it adds one)."""

@@ -29,7 +29,8 @@ import itertools
 import torch
 
 from megatron_pdm.train import heldout
-from megatron_pdm.train.jsonl_task import answers_match, encode_prompt, eos_and_pad, load_tokenizer
+from megatron_pdm.train.jsonl_task import (answers_match, encode_prompt, ended_with_eos,
+                                           eos_and_pad, load_tokenizer)
 
 NAMES = ("Tom", "Anna", "Sam", "Lily", "Ben", "Mia", "Max", "Emma")
 OBJECTS = ("apples", "pencils", "marbles", "books", "stickers", "coins", "cookies", "cards")
@@ -132,6 +133,6 @@ class WordProblemTask:
 
     def score(self, problem: int, response_ids: list[int]) -> float:
         ids = [int(i) for i in response_ids]
-        finished = bool(ids) and ids[-1] == self.eos_id
+        finished = ended_with_eos(ids, self.eos_id)
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
         return final_answer_reward(text, self.problem(problem)[1], finished)
