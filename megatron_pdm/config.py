@@ -272,6 +272,15 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Truncated IS policy gradient, no trust region: A * min(r, 2) * grad log pi_k; C = 2 as in
     # the TIS write-up and verl's rollout-correction default (§10.2).
     "tis": dict(proximity="none", direction="ratio", ratio_cap=2.0),
+    # Token-level masked IS, no trust region: tokens with r outside [0.5, 5] dropped (IcePop
+    # bounds; verl 0.9.1 RolloutCorrectionConfig.bypass_pg_token_icepop, §10.3).
+    "icepop": dict(proximity="none", direction="ratio", is_mask="token", is_mask_low=0.5,
+                   is_mask_high=5.0),
+    # Sequence-level masked IS on the geometric-mean ratio, no trust region: sequences with rho
+    # outside [0.999, 1.001] dropped (verl 0.9.1 RolloutCorrectionConfig.bypass_pg_geo_rs,
+    # §10.1, §10.3).
+    "geo-rs": dict(proximity="none", direction="ratio", is_mask="sequence",
+                   seq_ratio="geometric", is_mask_low=0.999, is_mask_high=1.001),
     # GRPO clip-higher: eps_low 0.2 / eps_high 0.28 [P-DPPO App. C.1; C-verl]; C = inf in the
     # sanity study [P-DPPO App. C.1]. Proximity |r-1| + ratio direction is exactly PPO's clip.
     "grpo": dict(proximity="ratio", direction="ratio", delta_low=0.2, delta_high=0.28),

@@ -19,6 +19,10 @@ METHODS: dict[str, str] = {
     "pdm-uniform": "pdm-uniform",
     "pdm-exact": "pdm-exact",
     "drpo": "drpo",
+    # the off-policy corrections of docs/math.md §10 (no trust region), as verl 0.9.1 presets them
+    "tis": "tis",
+    "icepop": "icepop",
+    "geo-rs": "geo-rs",
 }
 
 BASE_LR = 3e-4  # examples/tiny_cpu/config.yaml train.lr

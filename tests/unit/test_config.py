@@ -43,7 +43,12 @@ def test_preset_defaults():
     assert (d.shaping, d.delta_high, d.ratio_cap) == ("drpo", 12.5, math.inf)
     nt = PolicyLossConfig.preset("is-pg")          # the stability benchmark's no-trust-region row
     assert nt.name == "is-pg"
-    assert len(PRESETS) == 12
+    ice = PolicyLossConfig.preset("icepop")        # §10 corrections, verl 0.9.1's bounds
+    assert (ice.is_mask, ice.is_mask_low, ice.is_mask_high) == ("token", 0.5, 5.0)
+    geo = PolicyLossConfig.preset("geo-rs")
+    assert (geo.is_mask, geo.seq_ratio, geo.is_mask_low, geo.is_mask_high) == (
+        "sequence", "geometric", 0.999, 1.001)
+    assert len(PRESETS) == 14
 
 
 @pytest.mark.parametrize("kwargs,match", [

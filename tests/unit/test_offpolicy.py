@@ -18,6 +18,10 @@ from megatron_pdm import metrics as M
 from megatron_pdm.config import PRESETS
 from megatron_pdm.configtree import ConfigError
 
+# the trust-region presets (every preset but the §10 correction presets icepop / geo-rs, which
+# are themselves a correction on the no-trust-region gradient)
+TRUST_REGIONS = sorted(p for p in PRESETS if not pdm.PolicyLossConfig.preset(p).off_policy)
+
 CLAMP = 20.0
 V = 6
 # rows per sequence; -1 is padding (never a loss row), seq 3 has a non-loss row in the middle
@@ -117,7 +121,24 @@ def test_corrections_match_the_fp64_reference_loop(corr):
         assert any(capped) and not all(capped)
 
 
-@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("preset,spread", [("icepop", 1.5), ("geo-rs", 0.002)])
+def test_correction_presets_match_the_fp64_reference_loop(preset, spread):
+    """The stability benchmark's correction presets: the is-pg gradient times the §10 keep-mask
+    of verl 0.9.1's bounds, per token (spread chosen so the rule drops some rows, not all)."""
+    b = _batch(13, spread=spread)
+    cfg = pdm.PolicyLossConfig.preset(preset)
+    out = _run(b, cfg)
+    weight, keep = _ref(b, cfg)
+    active = [t for t in range(N) if b["lm"][t] and b["adv"][t] != 0]
+    assert any(keep[t] for t in active) and not all(keep[t] for t in active)
+    for t in range(N):
+        a = float(b["adv"][t]) if b["lm"][t] else 0.0
+        expected = a * weight[t] * keep[t]
+        assert abs(float(out.coeff[t]) - expected) <= 1e-12 * max(1.0, abs(expected)), t
+        assert bool(out.mask[t]) == keep[t], t
+
+
+@pytest.mark.parametrize("preset", TRUST_REGIONS)
 @pytest.mark.parametrize("corr", [1, 4, 6, 7])
 def test_each_correction_combines_with_every_trust_region(preset, corr):
     """coeff(preset + correction) = coeff(preset) / min(r, C) * w_ref * keep_ref, per token."""
@@ -138,7 +159,8 @@ def test_each_correction_combines_with_every_trust_region(preset, corr):
 
 def test_defaults_change_nothing_and_the_loss_carries_the_gradient():
     b = _batch(3)
-    for name in sorted(PRESETS):
+    assert sorted(set(PRESETS) - set(TRUST_REGIONS)) == ["geo-rs", "icepop"]
+    for name in TRUST_REGIONS:
         cfg = pdm.PolicyLossConfig.preset(name)
         assert not cfg.off_policy
         assert M.IS_WEIGHT_MEAN not in _run(b, cfg).metrics
