@@ -15,7 +15,7 @@ NPROC   ?= 2
 # two runs on one machine never collide and no chosen port can be taken in between.
 TORCHRUN_PORT = $(if $(MASTER_PORT),--master-port $(MASTER_PORT),--standalone --local-addr 127.0.0.1)
 
-.PHONY: real-learn demo test bench venv clean vllm-venv demo-vllm real-model demo-real stability study-report simulate bench-trl
+.PHONY: real-learn demo test bench venv clean vllm-venv demo-vllm real-model demo-real stability study-report results-docs simulate bench-trl
 
 $(STAMP): setup.py constraints/ci.txt
 	$(PY) -m venv $(VENV)
@@ -138,10 +138,12 @@ real-learn: real-model vllm-venv
 	$(VPY) -m megatron_pdm.tools.learning_report $(foreach s,$(SEEDS),runs/real_learn/seed$(s)) \
 		--out results/real_learning
 
-# make study-report: docs/mask-study.md's generated tables rewritten from the stored study
-# results they name (results/mask_study/*/results.json; megatron_pdm/analysis/stored.py).
-study-report: $(STAMP)
-	$(VPY) -m megatron_pdm.tools.study_report --update-doc docs/mask-study.md
+# make results-docs (or its older name, make study-report): every generated block of README.md,
+# docs/mask-study.md and docs/main-job.md rewritten from the committed results it names
+# (results/mask_study/*/results.json, results/main_job/; megatron_pdm/analysis/doc_blocks.py).
+RESULTS_DOCS := README.md docs/mask-study.md docs/main-job.md
+results-docs study-report: $(STAMP)
+	$(VPY) -m megatron_pdm.tools.study_report --update-doc $(RESULTS_DOCS)
 
 # make bench-trl [ARGS="--set train.iterations=3 --set train.eval_prompts=64"]: TRL's GRPOTrainer
 # side by side with the driver (GRPO preset and PDM) on the real model, into results/trl_compare

@@ -9,10 +9,9 @@ regenerated from them (`megatron-pdm-study-report`, `make study-report`).
                                    the setup's criteria, controls, primary comparison, power
                                    analysis and bootstrap seed
     doc_block(path)                the markdown block a doc shows for one stored file
-    update_doc(doc) / check_doc    every block of a doc between
-                                       <!-- study-table results/mask_study/<name>/results.json -->
-                                       <!-- /study-table -->
-                                   rewritten from the file its opening marker names / compared
+                                   (`<!-- study-table PATH -->`, megatron_pdm/analysis/doc_blocks.py)
+    doc_line(path)                 its pre-registered primary comparison and the controls in one
+                                   line (`<!-- study-line PATH -->`, README's headline row)
 
 So a number inside such a block is recomputed from committed per-seed counts by one command,
 and tests/analysis/test_stored_results.py fails when a doc's block differs from what the
@@ -23,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 
 from megatron_pdm.analysis import report
 from megatron_pdm.analysis.controls import Control
@@ -31,9 +29,7 @@ from megatron_pdm.analysis.criteria import build_criteria
 from megatron_pdm.analysis.summary import summarize
 from megatron_pdm.config import PolicyLossConfig
 
-__all__ = ["BLOCK", "check_doc", "doc_block", "load", "recompute", "store", "update_doc"]
-
-BLOCK = re.compile(r"(<!-- study-table (\S+) -->\n)(.*?)(<!-- /study-table -->)", re.S)
+__all__ = ["doc_block", "doc_line", "load", "recompute", "store"]
 
 _KEEP_SEED = ("seed", "n_tokens", "n_active", "n_shared_state", "staleness", "batch_iteration")
 
@@ -89,6 +85,20 @@ def _ranges(seeds: list) -> str:
     return ", ".join(out)
 
 
+def _checkpoint_line(path: str) -> list[str]:
+    """The studied checkpoint's own numbers (the driver's summary.json stored beside the study
+    as checkpoint_summary.json), or nothing when it was not stored."""
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        c = json.load(f)
+    return ["", (f"Checkpoint (checkpoint_summary.json beside it): warm-up {c['warmup_steps']} "
+                 f"steps, {c['iterations']} RL iterations (preset {c.get('preset')}, seed "
+                 f"{c.get('seed')}, {c.get('torch_threads')} thread(s)); greedy held-out "
+                 f"accuracy {c['greedy_acc_before_rl']:.3f} before RL, "
+                 f"{c['greedy_acc_after_rl']:.3f} at the checkpoint.")]
+
+
 def doc_block(path: str, label: str | None = None) -> str:
     """The markdown a doc shows for the stored file `path`, named `label` (default: the path;
     ends with a newline)."""
@@ -106,6 +116,7 @@ def doc_block(path: str, label: str | None = None) -> str:
          f"{setup.get('source')} (minibatch {setup.get('minibatch')}), δ = "
          f"{setup.get('delta_kl')}, checkpoint iteration {setup.get('checkpoint_iteration')}, "
          f"wall time {report._num(setup.get('wall_s'), 0)} s."),
+        *_checkpoint_line(os.path.join(os.path.dirname(path), "checkpoint_summary.json")),
         "",
         *report.criteria_table(summary),
         "",
@@ -118,34 +129,25 @@ def doc_block(path: str, label: str | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _render(text: str, root: str) -> str:
-    return BLOCK.sub(lambda mt: mt.group(1) + doc_block(os.path.join(root, mt.group(2)),
-                                                         mt.group(2)) + mt.group(4), text)
-
-
-def update_doc(doc: str, root: str = ".") -> int:
-    """Rewrites every study-table block of `doc` from its stored file (paths relative to
-    `root`); returns the number of blocks."""
-    with open(doc) as f:
-        text = f.read()
-    n = len(BLOCK.findall(text))
-    if n == 0:
-        raise ValueError(f"{doc}: no '<!-- study-table PATH -->' ... '<!-- /study-table -->' "
-                         "block")
-    new = _render(text, root)
-    if new != text:
-        with open(doc, "w") as f:
-            f.write(new)
-    return n
-
-
-def check_doc(doc: str, root: str = ".") -> list[str]:
-    """The stored files whose block in `doc` differs from what `update_doc` would write."""
-    with open(doc) as f:
-        text = f.read()
-    bad = []
-    for mt in BLOCK.finditer(text):
-        want = doc_block(os.path.join(root, mt.group(2)), mt.group(2))
-        if mt.group(3) != want:
-            bad.append(mt.group(2))
-    return bad
+def doc_line(path: str) -> str:
+    """One line (no newline) for README's headline row: the seeds, the pre-registered primary
+    comparison with its tests and verdict, and whether the controls behaved."""
+    stored = load(path)
+    setup, summary = stored["setup"], recompute(stored)
+    prim = [p for p in summary["paired"] if p["primary"]]
+    if not prim:
+        raise ValueError(f"{path}: no primary comparison recorded (setup.primary)")
+    p = prim[0]
+    m = setup.get("machine") or {}
+    line = (f"{summary['seeds']} seeds ({_ranges(setup['seeds'])}), "
+            f"{m.get('torch_threads', '?')} thread(s): primary {p['criterion']} - "
+            f"{p['baseline']} (unsafe-keep rate) {report._pp(p['mean_difference'])}, "
+            f"{p['wins']} / {p['losses']} / {p['ties']} seeds lower / higher / tied, sign-flip "
+            f"p {report._p(p['sign_flip_p'])}, Holm p {report._p(p['p_holm'])}: "
+            f"**{p['verdict']}**")
+    cc = summary.get("controls_check")
+    if cc:
+        parts = [f"{v['kind']} control {'behaved' if v['ok'] else 'FAILED'} ({v['verdict']}, "
+                 f"Holm p {report._p(v['p_holm'])})" for n, v in cc.items() if n != "ok"]
+        line += "; " + "; ".join(parts)
+    return line

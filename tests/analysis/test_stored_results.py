@@ -8,7 +8,7 @@ import pathlib
 
 import pytest
 
-from megatron_pdm.analysis import stored
+from megatron_pdm.analysis import doc_blocks, main_job, stored
 from megatron_pdm.analysis.controls import build_controls
 from megatron_pdm.analysis.power import pilot_sd
 from megatron_pdm.analysis.counting import count_seed
@@ -16,29 +16,69 @@ from tests.analysis.test_controls import _criteria, _study, _tables
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "mask-study.md"
+# the docs whose results blocks are generated (Makefile RESULTS_DOCS, `make results-docs`)
+DOCS = ["README.md", "docs/mask-study.md", "docs/main-job.md"]
 
 
-def test_the_docs_tables_are_what_the_command_generates_from_the_committed_files():
+def test_makefile_regenerates_exactly_these_docs():
+    make = (ROOT / "Makefile").read_text()
+    line = next(ln for ln in make.splitlines() if ln.startswith("RESULTS_DOCS :="))
+    assert line.split(":=")[1].split() == DOCS
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_the_docs_blocks_are_what_the_command_generates_from_the_committed_files(doc):
+    text = (ROOT / doc).read_text()
+    blocks = [m for m in doc_blocks.BLOCK.finditer(text) if m.group(2) in doc_blocks.KINDS]
+    assert blocks, f"{doc} has no generated results block"
+    for m in blocks:
+        path = m.group(3)
+        assert (ROOT / path).exists(), f"{path}: named by {doc}, not committed"
+        assert path.startswith(("results/mask_study/", "results/main_job"))
+    assert doc_blocks.check(str(ROOT / doc), str(ROOT)) == []
+
+
+def test_mask_study_page_shows_every_stored_study():
     text = DOC.read_text()
-    blocks = stored.BLOCK.findall(text)
-    assert blocks, "docs/mask-study.md has no generated study-table block"
-    for _, path, _, _ in blocks:
-        assert (ROOT / path).is_file(), f"{path}: named by docs/mask-study.md, not committed"
-        assert path.startswith("results/mask_study/")
-    assert stored.check_doc(str(DOC), str(ROOT)) == []
+    shown = {m.group(3) for m in doc_blocks.BLOCK.finditer(text) if m.group(2) == "study-table"}
+    stored_files = {str(p.relative_to(ROOT)) for p in (ROOT / "results" / "mask_study").glob(
+        "*/results.json")}
+    assert stored_files - {"results/mask_study/small-pilot/results.json"} <= shown
 
 
-def test_a_changed_number_is_caught(tmp_path):
-    doc = tmp_path / "doc.md"
-    text = DOC.read_text()
-    mt = next(stored.BLOCK.finditer(text))
-    body = mt.group(3)
-    i = next(k for k, ch in enumerate(body) if ch.isdigit() and k > body.index("|"))
+@pytest.mark.parametrize("doc", DOCS)
+def test_a_changed_number_is_caught(tmp_path, doc):
+    target = tmp_path / "doc.md"
+    text = (ROOT / doc).read_text()
+    mt = next(m for m in doc_blocks.BLOCK.finditer(text) if m.group(2) in doc_blocks.KINDS)
+    body = mt.group(4)
+    i = next(k for k, ch in enumerate(body) if ch.isdigit())
     changed = body[:i] + str((int(body[i]) + 1) % 10) + body[i + 1:]
-    doc.write_text(text.replace(body, changed, 1))
-    assert stored.check_doc(str(doc), str(ROOT)) == [mt.group(2)]
-    stored.update_doc(str(doc), str(ROOT))
-    assert doc.read_text() == text
+    target.write_text(text.replace(mt.group(0), mt.group(0).replace(body, changed, 1), 1))
+    assert doc_blocks.check(str(target), str(ROOT)) == [f"{mt.group(2)} {mt.group(3)}"]
+    doc_blocks.update(str(target), str(ROOT))
+    assert target.read_text() == text
+
+
+def test_a_stored_run_round_trips_into_the_table(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    summary = json.loads((ROOT / "results/main_job/2026-12-03_seed1234_t1/summary.json")
+                         .read_text())
+    summary.update(seed=7, torch_threads=2, cpu_model="Test CPU", greedy_acc_after_rl=0.25)
+    (run / "summary.json").write_text(json.dumps(summary))
+    folder = tmp_path / "main_job"
+    main_job.store(str(run), str(folder / "r7"), command="make demo SEED=7 THREADS=2")
+    assert json.loads((folder / "r7" / "run.json").read_text())["command"] == (
+        "make demo SEED=7 THREADS=2")
+    table = main_job.doc_table(str(folder))
+    assert "| r7 |" in table and "| Test CPU | 2 | 7 |" in table
+    line = main_job.doc_line(str(folder))
+    assert "higher in 0 of 1" in line   # 0.297 -> 0.25: a fall is reported as a fall
+    (folder / "r8").mkdir()
+    (folder / "r8" / "summary.json").write_text(json.dumps(summary))
+    with pytest.raises(FileNotFoundError, match="run.json"):
+        main_job.doc_table(str(folder))
 
 
 def test_store_keeps_counts_and_recomputes_the_summary(tmp_path):

@@ -61,7 +61,7 @@ ALLOWED = {
                  "rollout_bridge", "rb.core", "train", "cli", "significance", "hostinfo"},
     "train": {"ops", "parallel", "loss", "config", "configtree", "configfile", "metrics", "arch",
               "layout", "mcore", "convert", "cli", "netutil", "rollout_bridge", "rb.core", "rb.sglang",
-              "rb.vllm", "rb.local", "significance", "intmath"},
+              "rb.vllm", "rb.local", "significance", "intmath", "hostinfo"},
     # rollout_bridge: the package face (lazy re-exports), the engine-independent core, one
     # subpackage per engine. The engines share only core; core knows no engine.
     "rollout_bridge": {"rb.core", "rb.sglang", "rb.vllm", "rb.local"},
