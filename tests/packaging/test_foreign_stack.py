@@ -127,8 +127,8 @@ class Image:
         self.tmp = tmp
         _run([sys._base_executable, "-m", "venv", "--without-pip", tmp / "venv"], cwd=tmp)
         self.py = tmp / "venv" / "bin" / "python"
-        self.purelib = Path(_run([self.py, "-c", "import sysconfig; print(sysconfig.get_paths()"
-                                  "['purelib'])"], cwd=tmp).stdout.strip())
+        probe = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+        self.purelib = Path(_run([self.py, "-c", probe], cwd=tmp).stdout.strip())
         self.versions = {"torch": NGC_TORCH, "numpy": "1.26.4", "pyyaml": "6.0.2",
                          "megatron-core": mcore, **TORCH_DEPS, **MEGATRON_REST}
         for name, version in self.versions.items():
@@ -219,3 +219,10 @@ def test_the_decision_check_catches_a_setup_that_would_replace(tmp_path, old, ne
     (tmp_path / "img").mkdir()
     image = _image(tmp_path / "img")
     assert image.decision(str(bad)) == {"megatron_pdm": "0.2.0", **replaced}
+
+
+def test_the_wheel_ships_the_slime_hooks_and_their_patch(wheel):
+    with zipfile.ZipFile(wheel) as zf:
+        names = set(zf.namelist())
+    assert {f"megatron_pdm/integrations/slime/{n}"
+            for n in ("__init__.py", "loss.py", "hooks.py", "passthrough.patch")} <= names

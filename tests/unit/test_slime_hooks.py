@@ -87,10 +87,10 @@ def _world():
         top = logmu.topk(K)
         lp = top.values.clone()
         lp[1, -1] = -torch.inf    # SGLang sent only K-1 entries at position 1
-        world.append(dict(prompt=torch.randint(0, V, (p,), generator=g).tolist(),
-                          ids=top.indices, lp=lp, sampled=sampled,
-                          sampled_lp=logmu.gather(1, sampled[:, None])[:, 0],
-                          adv=torch.full((r,), float(b) - 1.0)))
+        world.append({"prompt": torch.randint(0, V, (p,), generator=g).tolist(),
+                      "ids": top.indices, "lp": lp, "sampled": sampled,
+                      "sampled_lp": logmu.gather(1, sampled[:, None])[:, 0],
+                      "adv": torch.full((r,), float(b) - 1.0)})
     return logits, world
 
 
@@ -317,10 +317,12 @@ def test_convert_without_default_calls_slime_own_conversion(monkeypatch):
 
     remote = SimpleNamespace(__ray_metadata__=SimpleNamespace(modified_class=Manager))
     monkeypatch.setitem(sys.modules, "slime", types.ModuleType("slime"))
+    def load_function(path):   # the reward post-process hook it resolves: (raw, normalised)
+        return lambda args, samples: ([0.5] * len(samples), [2.0] * len(samples))
+
     for name, attrs in [("slime.ray", {}), ("slime.ray.rollout", {"RolloutManager": remote}),
                         ("slime.utils", {}),
-                        ("slime.utils.misc", {"load_function": lambda p: lambda a, s: ([0.5] * 3,
-                                                                                       [2.0] * 3)})]:
+                        ("slime.utils.misc", {"load_function": load_function})]:
         monkeypatch.setitem(sys.modules, name, types.SimpleNamespace(**attrs))
     _, world = _world()
     samples = _generate_all(world, _args(), _Transport(world))
@@ -343,8 +345,8 @@ def test_the_loss_import_loads_no_sglang_parser_and_the_hooks_resolve_lazily():
 def test_the_passthrough_patch_names_its_commit_and_adds_both_keys_to_both_lists():
     text = (ROOT / "megatron_pdm/integrations/slime/passthrough.patch").read_text()
     assert re.search(r"THUDM/slime commit [0-9a-f]{40}", text)
-    files = re.findall(r"^\+\+\+ b/(\S+)", text, re.M)
+    files = re.findall(r"^\+\+\+ b/(\S+)", text, re.MULTILINE)
     assert files == ["slime/backends/megatron_utils/model.py", "slime/ray/rollout.py"]
-    added = re.findall(r'^\+\s+"(pdm_topk_\w+)",$', text, re.M)
+    added = re.findall(r'^\+\s+"(pdm_topk_\w+)",$', text, re.MULTILINE)
     assert added == list(hooks.TRAIN_KEYS) * 2
-    assert not re.findall(r"^-[^-]", text, re.M)     # adds only
+    assert not re.findall(r"^-[^-]", text, re.MULTILINE)     # adds only

@@ -26,7 +26,8 @@ by anything other than this hook (a tool's tokens have no engine top-K): both ra
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
@@ -177,7 +178,8 @@ def _slime_default(args: Any, samples: list) -> dict:
     from slime.utils.misc import load_function
 
     meta = getattr(RolloutManager, "__ray_metadata__", None)   # @ray.remote wraps the class
-    cls = meta.modified_class if meta is not None else RolloutManager
+    cls = RolloutManager if meta is None else \
+        getattr(meta.modified_class, "__ray_actor_class__", meta.modified_class)
     path = getattr(args, "custom_reward_post_process_path", None)
     shim = types.SimpleNamespace(args=args, custom_convert_samples_to_train_data_func=None,
                                  custom_reward_post_process_func=load_function(path) if path

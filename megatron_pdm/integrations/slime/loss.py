@@ -27,7 +27,8 @@ concatenated response tokens (slime then scales it by micro-batches and data par
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
