@@ -127,6 +127,7 @@ setup(
     install_requires=INSTALL_REQUIRES,
     extras_require=EXTRAS,
     include_package_data=True,
-    package_data={"megatron_pdm.configs": ["*.yaml"]},
+    package_data={"megatron_pdm.configs": ["*.yaml"],
+                  "megatron_pdm.integrations.slime": ["*.patch"]},
     entry_points={"console_scripts": CONSOLE_SCRIPTS},
 )

@@ -1,4 +1,4 @@
-"""slime's custom loss (megatron_pdm/integrations/slime.py) on slime-shaped inputs.
+"""slime's custom loss (megatron_pdm/integrations/slime/loss.py) on slime-shaped inputs.
 
 slime-shaped: per-sample lists, packed THD logits `[1, T, V_local]` with tail padding, response
 rows [end - R - 1, end - 1) per sample. Checked against an independent path (the response rows

@@ -1,10 +1,10 @@
 """slime's custom loss (`--loss-type custom_loss --custom-loss-function-path
 megatron_pdm.integrations.slime.pdm_loss`): the family's loss on slime's packed logits.
 
-Scope (what exists and is tested here, tests/unit/test_slime_adapter.py, on slime-shaped
-inputs, not against an installed slime): the loss function only, context parallelism 1. Not
-here: slime's generate and convert-samples hooks that would bring the engine's top-K into the
-batch; until then the support comes from batch keys the caller adds (below).
+Scope (tested in tests/unit/test_slime_adapter.py and tests/unit/test_slime_hooks.py on
+slime-shaped inputs, not against an installed slime): context parallelism 1. The top-K keys
+come from the hooks of `hooks.py` (generate, convert_samples) and reach this loss only through
+slime with `passthrough.patch` applied (docs/own-loop.md, "slime").
 
 slime calls `loss_fn(args, batch, logits, sum_of_sample_mean) -> (loss, log)` with `logits`
 the packed THD output `[1, T, V_local]` (raw, before the rollout temperature) and per-sample
@@ -27,7 +27,8 @@ concatenated response tokens (slime then scales it by micro-batches and data par
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -44,6 +45,26 @@ def _config(args: Any) -> PolicyLossConfig:
     return cfg if isinstance(cfg, PolicyLossConfig) else PolicyLossConfig.preset(str(cfg))
 
 
+TOPK_KEYS = ("pdm_topk_ids", "pdm_topk_logprobs")
+
+
+def _check_topk(batch: dict, resp: list[int]) -> None:
+    """The top-K keys are there, one [R_b, K] tensor per sample (error names key and sample)."""
+    for key in TOPK_KEYS:
+        if batch.get(key) is None:
+            raise ValueError(
+                f"batch[{key!r}] is missing: slime must run megatron_pdm.integrations.slime's "
+                "generate and convert_samples hooks and carry the key to the loss "
+                "(megatron_pdm/integrations/slime/passthrough.patch; docs/own-loop.md, 'slime')")
+        if len(batch[key]) != len(resp):
+            raise ValueError(f"batch[{key!r}] has {len(batch[key])} samples, response_lengths "
+                             f"{len(resp)}")
+        for b, (x, r) in enumerate(zip(batch[key], resp)):
+            if x.dim() != 2 or x.shape[0] != r:
+                raise ValueError(f"batch[{key!r}] sample {b}: shape {tuple(x.shape)}, expected "
+                                 f"[R={r}, K] (its response length)")
+
+
 def pdm_loss(args: Any, batch: dict, logits: torch.Tensor,
              sum_of_sample_mean: Callable[[torch.Tensor], torch.Tensor], *,
              tp_group: Any = "parallel_state") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -55,13 +76,15 @@ def pdm_loss(args: Any, batch: dict, logits: torch.Tensor,
         raise ValueError("args.pdm_vocab_size is not set: the engine's vocabulary size (the loss "
                          "must know which of megatron's padded logits are real)")
     resp = [int(r) for r in batch["response_lengths"]]
+    _check_topk(batch, resp)
     totals = [int(t) for t in batch["total_lengths"]]
     rows = own_loop.response_rows([t - r for t, r in zip(totals, resp)], resp, packed=True)
     cat = torch.cat
     sampled_R = cat([tok[-r:] for tok, r in zip(batch["unconcat_tokens"], resp)]).long()
-    sampled_lp_R = cat(list(batch["rollout_log_probs"])).float()
-    top_ids_RK = cat(list(batch["pdm_topk_ids"]))
-    top_lp_RK = cat(list(batch["pdm_topk_logprobs"])).float()
+    sampled_lp_R = cat(list(batch["rollout_log_probs"])).to(sampled_R.device).float()
+    dev = sampled_R.device   # slime moves tokens to the GPU, not these keys (CPU tensors)
+    top_ids_RK = cat(list(batch["pdm_topk_ids"])).to(dev)
+    top_lp_RK = cat(list(batch["pdm_topk_logprobs"])).to(dev).float()
     ids, lp, valid, _ = fold_support_torch(top_ids_RK, top_lp_RK, torch.isfinite(top_lp_RK),
                                            sampled_R, sampled_lp_R)
     placed = own_loop.place_on_rows(
