@@ -19,19 +19,22 @@ import time
 __all__ = ["doc_line", "doc_table", "load_runs", "store"]
 
 
-def store(run_dir: str, out_dir: str, command: str, note: str = "") -> str:
-    """Copies `run_dir`/summary.json into `out_dir` and writes run.json beside it (the git
-    commit of the working tree, the UTC date, the command and a free note, e.g. the load)."""
+def store(run_dir: str, out_dir: str, command: str, note: str = "",
+          commit: str | None = None) -> str:
+    """Copies `run_dir`/summary.json into `out_dir` and writes run.json beside it (`commit`,
+    default the checkout's HEAD; the UTC date of the summary; the command; a free note, e.g. the
+    load)."""
     src = os.path.join(run_dir, "summary.json")
     if not os.path.isfile(src):
         raise FileNotFoundError(f"{src}: not a finished driver run (no summary.json)")
     os.makedirs(out_dir, exist_ok=True)
     shutil.copyfile(src, os.path.join(out_dir, "summary.json"))
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
+    if commit is None:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                    text=True, check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            commit = "unknown"
     meta = {"command": command, "commit": commit, "note": note,
             "date": time.strftime("%Y-%m-%d", time.gmtime(os.path.getmtime(src)))}
     path = os.path.join(out_dir, "run.json")

@@ -35,6 +35,8 @@ def parse_args(argv=None):
                                  "(results/mask_study/<name>, results/main_job/<name>)")
     p.add_argument("--command", help="--store-run: the command that made the run")
     p.add_argument("--note", default="", help="--store-run: conditions (load, what ran beside)")
+    p.add_argument("--commit", default=None, help="--store-run: the commit the run ran (default: "
+                                                  "HEAD of the checkout)")
     p.add_argument("--root", default=".", help="the directory the blocks' paths are relative to")
     return p.parse_args(argv)
 
@@ -52,7 +54,7 @@ def main(argv=None) -> int:
         if not args.command:
             raise SystemExit("megatron-pdm-study-report: --store-run needs --command (how the "
                              "run was made)")
-        print(main_job.store(args.store_run, args.out, args.command, args.note))
+        print(main_job.store(args.store_run, args.out, args.command, args.note, args.commit))
         return 0
     if args.update_doc:
         for doc in args.update_doc:
