@@ -52,8 +52,9 @@ ALLOWED = {
     "loss": {"ops", "config", "configtree", "metrics"},
     # your own forward_step (docs/own-loop.md): rows, the one loss call; torch only
     "own_loop": {"ops", "parallel", "loss", "config"},
-    # framework adapters (slime's custom loss) over the own-loop API; TP group from mcore
-    "integrations": {"own_loop", "ops", "config", "mcore"},
+    # framework adapters (slime's custom loss, verl's policy losses and logits processor) over
+    # the own-loop API, the op and the loss; TP group from mcore
+    "integrations": {"own_loop", "ops", "parallel", "loss", "config", "mcore"},
     "mcore": {"ops", "parallel", "loss", "config", "configtree", "metrics", "arch", "fsutil",
               "triton_stub", "intmath"},
     "convert": {"arch", "configtree", "layout", "mcore", "ops", "netutil"},
