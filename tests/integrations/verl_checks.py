@@ -1,8 +1,8 @@
 """Checks of megatron_pdm.integrations.verl against the installed verl 0.9.1 (run in the verl
-env by tests/integrations/test_verl_adapter.py: `python verl_checks.py REPORT.json`).
+env by tests/integrations/test_verl_adapter.py: `python verl_checks.py REPORT.json [CHECK...]`).
 
 Each check runs on CPU at function level and records "ok" or its traceback in the report, so
-one interpreter (one verl import, ~8 s) serves every test. Shapes: B samples, R response
+one interpreter (one verl import, ~8 s) serves several tests. Shapes: B samples, R response
 tokens, S support slots.
 """
 
@@ -221,9 +221,89 @@ def bad_input_is_named():
             raise AssertionError(f"no error naming {needle}")
 
 
+def _processor_worker(rank: int, world: int) -> None:
+    """pdm_ppo_loss as verl's logits processor on this rank's vocab shard of packed THD logits:
+    verl's own preprocess_thd_engine packs the keys; the fields equal the op on the full logits,
+    and exactly the rows that score a response token carry a support."""
+    from megatron_pdm.mcore.parallel import apply_cpu_shim, init_model_parallel
+    apply_cpu_shim()
+    init_model_parallel(world, 1, 1)
+    from tensordict import TensorDict
+    from verl.models.mcore.util import preprocess_thd_engine
+    import megatron_pdm as pdm
+    import megatron_pdm.integrations.verl as mv
+    from megatron_pdm.integrations import verl_rows
+    v, k = 16, 3
+    g = torch.Generator().manual_seed(7)
+    prompt, resp = [2, 3], [4, 3]
+    seqs, ids, lps = [], [], []
+    for p, r in zip(prompt, resp):
+        tok = torch.randint(0, v, (p + r,), generator=g)
+        behav = torch.log_softmax(torch.randn(r, v, generator=g), -1)
+        top = behav.topk(k, -1)
+        dicts = [{int(top.indices[t, j]): SimpleNamespace(logprob=float(top.values[t, j]),
+                                                         rank=j + 1) for j in range(k)}
+                 for t in range(r)]
+        for t in range(r):
+            dicts[t].setdefault(int(tok[p + t]), SimpleNamespace(
+                logprob=float(behav[t, tok[p + t]]), rank=k + 2))
+        i_RS, l_RS = verl_rows.support_from_vllm_logprobs(dicts, tok[p:].tolist(), k)
+        i_TS, l_TS = verl_rows.full_sequence_support(p, i_RS, l_RS)
+        seqs.append(tok)
+        ids.append(i_TS)
+        lps.append(l_TS)
+    nest = lambda rows: torch.nested.as_nested_tensor(rows, layout=torch.jagged)  # noqa: E731
+    data = TensorDict({"input_ids": nest(seqs), "pdm_topk_ids": nest(ids),
+                       "pdm_topk_logprobs": nest(lps)}, batch_size=[2])
+    label = preprocess_thd_engine(data["input_ids"], pre_process=True, need_roll=True)[0]
+    t_packed = label.shape[-1]
+    logits = torch.randn(1, t_packed, v, generator=g)
+    shard = logits.chunk(world, -1)[rank].contiguous()
+    actor = SimpleNamespace(policy_loss={"loss_mode": "pdm-agg"})
+    got = mv.pdm_ppo_loss(actor, data=data, student_logits=shard, data_format="thd",
+                          vocab_size=v)
+    pack = lambda key: preprocess_thd_engine(data[key], pre_process=True,  # noqa: E731
+                                             need_roll=True)[0]
+    want = verl_rows.pdm_token_fields(logits, label.reshape(1, -1),
+                                      pack("pdm_topk_ids").reshape(1, t_packed, -1),
+                                      pack("pdm_topk_logprobs").reshape(1, t_packed, -1),
+                                      pdm.PolicyLossConfig.preset("pdm-agg"), tp_group=None,
+                                      vocab_size=None)
+    for key in verl_rows.FIELD_KEYS:
+        assert got[key].shape == (1, t_packed), (key, got[key].shape)
+        assert torch.allclose(got[key], want[key], rtol=1e-5, atol=1e-6), (rank, key)
+    # rows p - 1 .. p + r - 2 of each (tp-aligned) packed sequence score its response tokens
+    expect = torch.zeros(t_packed)
+    start = 0
+    for p, r in zip(prompt, resp):
+        expect[start + p - 1: start + p + r - 1] = 1
+        start += -(-(p + r) // world) * world
+    assert torch.equal(got["pdm_has_support"][0].float(), expect), got["pdm_has_support"]
+    assert bool((got["pdm_weight_pos"][0][expect == 0] == 0).all())
+
+
+def _processor(world: int) -> None:
+    sys.path.insert(0, __file__.rsplit("/", 2)[0])  # tests/, for _dist
+    from _dist import run_gloo
+    run_gloo(_processor_worker, world)
+
+
+@check
+def processor_role_tp1():
+    _processor(1)
+
+
+@check
+def processor_role_tp2():
+    _processor(2)
+
+
 def main() -> None:
+    """verl_checks.py REPORT [CHECK ...]: the named checks (default: all)."""
     report = {}
     for name, fn in CHECKS.items():
+        if sys.argv[2:] and name not in sys.argv[2:]:
+            continue
         try:
             fn()
             report[name] = "ok"
