@@ -10,7 +10,8 @@
 #   pythonpath   the PYTHONPATH to use (site), one line
 #   .stamp       written last; its content is the spec hash (a second run is a no-op)
 #
-# The environment is the project venv (torch 2.13.0 CPU, numpy, transformers, pyyaml) plus
+# The environment is the project venv (torch 2.13.0 CPU, numpy, transformers, pyyaml, and
+# megatron-core for the logits-processor check's parallel state) plus
 # PYTHONPATH=site: a second copy of torch would add minutes and ~1 GB for nothing the checks
 # use. Use it from tests with a subprocess:
 #   PYTHONPATH="$(cat .cache/verl-env/pythonpath):<repo>" .venv/bin/python -c '...'
@@ -60,7 +61,7 @@ fi
 
 t0=$(date +%s)
 "$PY" -c 'import torch, numpy, transformers, yaml, packaging' 2>/dev/null \
-  || die "the venv ($PY) lacks torch/numpy/transformers/pyyaml/packaging (install the project first)"
+  || die "the venv ($PY) lacks torch/numpy/transformers/pyyaml/packaging (install the project)"
 mkdir -p "$BASE"
 [ -f "$BASE/.gitignore" ] || printf '# written by scripts/verl_env.sh\n*\n' > "$BASE/.gitignore"
 rm -rf "$BASE/site.tmp" "$BASE/.stamp"

@@ -136,8 +136,10 @@ def pdm_token_fields(logits_BTV: torch.Tensor, label_BT: torch.Tensor,
     `logits_BTV` is this rank's vocab shard, already tempered (not modified here). Row t
     scores `label_BT[.., t]`; its behaviour support is `support_*_BTS[.., t]` (-inf logprob =
     unused slot) and must contain the label (`support_from_vllm_logprobs` folds it in): that
-    slot's logprob is the behaviour logprob log mu_k. Rows whose support lacks the label (the
-    prompt, padding) get weight 0 and `pdm_has_support` 0. No gradient flows through the result.
+    slot's logprob is the behaviour logprob log mu_k. Rows without any valid slot (the prompt,
+    padding) get weight 0 and `pdm_has_support` 0; a row with valid slots but not the label is a
+    misaligned support and raises the op's SupportError naming the row. No gradient flows
+    through the result.
 
     Collectives: those of `token_stats` on `tp_group` (2 all-reduces; none at TP 1).
     """
