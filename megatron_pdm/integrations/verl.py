@@ -32,7 +32,9 @@ How the pieces meet verl's code (facts from the verl 0.9.1 wheel):
 The wiring (docs/own-loop.md, "verl"): `actor_rollout_ref.actor.policy_loss.loss_mode=pdm-agg`,
 the actor worker's `set_loss_fn(partial(pdm_ppo_loss, config=actor_config, vocab_size=V))`
 (`verl/workers/engine_workers.py: set_loss_fn`), `distillation_use_topk=True` on the update
-batch, and the rollout returning top-K (`verl_rows.support_from_vllm_logprobs`).
+batch, and the rollout returning top-K (`verl_rows.support_from_vllm_logprobs`), e.g. under the
+keys `teacher_ids` / `teacher_logprobs` that verl's agent loop already carries into the batch
+(`support_keys`).
 
 Limits: megatron engine without fused kernels (the fused path materialises no logits); the
 weight is taken against the support's behaviour logprob, so do not also enable verl's rollout
@@ -70,7 +72,7 @@ _require_verl()
 from verl.trainer.ppo import core_algos  # noqa: E402  (after the version check)
 from verl.utils import torch_functional as verl_F  # noqa: E402
 
-__all__ = ["REGISTERED", "pdm_ppo_loss", "preset_for", "verl_policy_loss"]
+__all__ = ["REGISTERED", "SUPPORT_KEYS", "pdm_ppo_loss", "preset_for", "verl_policy_loss"]
 
 
 def _token_level(name: str) -> bool:
@@ -145,10 +147,14 @@ def _tp_group_default():
     return _tp_group()
 
 
+SUPPORT_KEYS = ("pdm_topk_ids", "pdm_topk_logprobs")
+
+
 def _processor(config: Any, data: Any, student_logits: torch.Tensor, data_format: str, *,
-               vocab_size: int | None, tp_group: Any) -> dict[str, torch.Tensor]:
+               vocab_size: int | None, tp_group: Any, support_keys: tuple[str, str]
+               ) -> dict[str, torch.Tensor]:
     """The logits-processor role: verl's nested batch keys packed like its label, the fields."""
-    for key in ("pdm_topk_ids", "pdm_topk_logprobs", "input_ids"):
+    for key in (*support_keys, "input_ids"):
         if key not in data.keys():
             raise KeyError(f"batch key {key!r} is missing: the rollout must put the top-K "
                            "support in the batch (docs/own-loop.md, 'verl')")
@@ -156,7 +162,7 @@ def _processor(config: Any, data: Any, student_logits: torch.Tensor, data_format
     pack = (mcore_util.preprocess_thd_engine if data_format == "thd"
             else mcore_util.preprocess_bshd_engine)
     ids, lp, label = (pack(data[k], pre_process=True, need_roll=True)[0]
-                      for k in ("pdm_topk_ids", "pdm_topk_logprobs", "input_ids"))
+                      for k in (*support_keys, "input_ids"))
     group = _tp_group_default() if tp_group == "parallel_state" else tp_group
     return verl_rows.pdm_token_fields(student_logits, label, ids, lp, preset_for(config),
                                       tp_group=group, vocab_size=vocab_size)
@@ -174,18 +180,20 @@ def _as_data_layout(w_BR: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 def pdm_ppo_loss(config: Any, model_output: dict | None = None, data: Any = None,
                  dp_group: Any = None, student_logits: torch.Tensor | None = None,
                  data_format: str = "thd", *, vocab_size: int | None,
-                 tp_group: Any = "parallel_state"):
+                 tp_group: Any = "parallel_state", support_keys: tuple[str, str] = SUPPORT_KEYS):
     """The actor loss function for verl's megatron engine (logits processor and final loss).
 
     With `student_logits` (verl's logits hook): returns {pdm_weight_pos, pdm_weight_neg,
     pdm_divergence, pdm_has_support}, each of shape `student_logits.shape[:2]`.
     Else: verl's `ppo_loss` with `rollout_is_weights` = w(sign A) (see the module docstring).
     `vocab_size`: the engine's vocabulary (megatron pads its own); `tp_group`: the tensor-
-    parallel group ("parallel_state": megatron's).
+    parallel group ("parallel_state": megatron's); `support_keys`: the batch keys of the support
+    ids and logprobs (nested [bsz, prompt + response, S]); ("teacher_ids", "teacher_logprobs")
+    uses the path verl already has for those keys (docs/own-loop.md, "verl").
     """
     if student_logits is not None:
         return _processor(config, data, student_logits, data_format, vocab_size=vocab_size,
-                          tp_group=tp_group)
+                          tp_group=tp_group, support_keys=tuple(support_keys))
     from verl.workers.utils.losses import ppo_loss
     from verl.workers.utils.padding import no_padding_2_padding
 

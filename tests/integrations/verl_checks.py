@@ -253,20 +253,21 @@ def _processor_worker(rank: int, world: int) -> None:
         ids.append(i_TS)
         lps.append(l_TS)
     nest = lambda rows: torch.nested.as_nested_tensor(rows, layout=torch.jagged)  # noqa: E731
-    data = TensorDict({"input_ids": nest(seqs), "pdm_topk_ids": nest(ids),
-                       "pdm_topk_logprobs": nest(lps)}, batch_size=[2])
+    # the support under verl's own top-K keys (the path verl's agent loop already has)
+    data = TensorDict({"input_ids": nest(seqs), "teacher_ids": nest(ids),
+                       "teacher_logprobs": nest(lps)}, batch_size=[2])
     label = preprocess_thd_engine(data["input_ids"], pre_process=True, need_roll=True)[0]
     t_packed = label.shape[-1]
     logits = torch.randn(1, t_packed, v, generator=g)
     shard = logits.chunk(world, -1)[rank].contiguous()
     actor = SimpleNamespace(policy_loss={"loss_mode": "pdm-agg"})
     got = mv.pdm_ppo_loss(actor, data=data, student_logits=shard, data_format="thd",
-                          vocab_size=v)
+                          vocab_size=v, support_keys=("teacher_ids", "teacher_logprobs"))
     pack = lambda key: preprocess_thd_engine(data[key], pre_process=True,  # noqa: E731
                                              need_roll=True)[0]
     want = verl_rows.pdm_token_fields(logits, label.reshape(1, -1),
-                                      pack("pdm_topk_ids").reshape(1, t_packed, -1),
-                                      pack("pdm_topk_logprobs").reshape(1, t_packed, -1),
+                                      pack("teacher_ids").reshape(1, t_packed, -1),
+                                      pack("teacher_logprobs").reshape(1, t_packed, -1),
                                       pdm.PolicyLossConfig.preset("pdm-agg"), tp_group=None,
                                       vocab_size=None)
     for key in verl_rows.FIELD_KEYS:
