@@ -2,8 +2,8 @@
 #   make demo   -> the main job: tiny CPU end-to-end PDM RL run (TP=2, 2 processes)
 #   make test   -> the whole CPU test suite
 # Each creates .venv and installs what it needs on first use; `make test` also prepares the
-# real-engine environments (.venv-vllm and the sglang API envs, in parallel) and the real model
-# (make real-model) before pytest.
+# real-engine environments (.venv-vllm, the sglang API envs and the verl env, in parallel) and
+# the real model (make real-model) before pytest.
 PY      ?= python3
 VENV    := .venv
 VPY     := $(VENV)/bin/python
@@ -59,6 +59,7 @@ MCORE_LATEST_ENV    = WITH_TRITON=0 PYTEST_OPTS=-q
 
 test: $(STAMP)
 	@mkdir -p .cache; scripts/sglang_api_env.sh > .cache/sglang_api_env.log 2>&1 & sg=$$!; \
+	scripts/verl_env.sh > .cache/verl_env.log 2>&1 & vl=$$!; \
 	if [ "$(MCORE_LATEST)" = 1 ]; then $(MCORE_LATEST_ENV) SETUP_ONLY=1 scripts/check_mcore_latest.sh \
 		> .cache/mcore_latest_env.log 2>&1 & ml=$$!; fi; \
 	scripts/setup_vllm_cpu.sh || echo "make test: scripts/setup_vllm_cpu.sh failed;" \
@@ -66,13 +67,16 @@ test: $(STAMP)
 	if wait $$sg; then req=1; else req=0; tail -n 20 .cache/sglang_api_env.log; \
 		echo "make test: scripts/sglang_api_env.sh failed (log: .cache/sglang_api_env.log);" \
 		"the sglang API checks (tests/sglang_api) will be skipped"; fi; \
+	if wait $$vl; then vreq=1; else vreq=0; tail -n 20 .cache/verl_env.log; \
+		echo "make test: scripts/verl_env.sh failed (log: .cache/verl_env.log);" \
+		"the verl checks (tests/integrations, marker verl) will be skipped"; fi; \
 	if [ "$(MCORE_LATEST)" = 1 ] && ! wait $$ml; then tail -n 30 .cache/mcore_latest_env.log; \
 		echo "make test: FAILED to build the megatron-core 0.19.2 venv" \
 		"(scripts/check_mcore_latest.sh, log: .cache/mcore_latest_env.log)"; exit 1; fi; \
 	if $(MAKE) --no-print-directory real-model > .cache/real_model.log 2>&1; then rm=1; else rm=0; \
 		tail -n 20 .cache/real_model.log; echo "make test: make real-model failed (log:" \
 		".cache/real_model.log); the real-model tests will be skipped"; fi; \
-	PDM_REQUIRE_SGLANG_API=$$req PDM_REQUIRE_REAL_MODEL=$$rm $(VPY) -m pytest -q -m "not gpu" --durations=40 \
+	PDM_REQUIRE_SGLANG_API=$$req PDM_REQUIRE_VERL=$$vreq PDM_REQUIRE_REAL_MODEL=$$rm $(VPY) -m pytest -q -m "not gpu" --durations=40 \
 		tests $(ARGS) || exit 1; \
 	if [ "$(MCORE_LATEST)" = 1 ]; then echo "make test: megatron-core 0.19.2 (Python 3.12):" \
 		"$(MCORE_LATEST_TESTS)"; $(MCORE_LATEST_ENV) scripts/check_mcore_latest.sh \

@@ -68,6 +68,11 @@ EXTRAS = {
         "pytest>=8.0",
         "hypothesis>=6.100",
     ],
+    # megatron_pdm.integrations.verl (the policy losses registered in verl's registry); the
+    # CPU check environment pins one point: scripts/verl-cpu-constraints.txt (scripts/verl_env.sh)
+    "verl": [
+        "verl>=0.9.1,<0.10",
+    ],
     # GPU-only packages: never imported on the CPU path.
     "gpu": [
         "transformer-engine[pytorch]>=2.8",

@@ -52,9 +52,11 @@ ALLOWED = {
     "loss": {"ops", "config", "configtree", "metrics"},
     # your own forward_step (docs/own-loop.md): rows, the one loss call; torch only
     "own_loop": {"ops", "parallel", "loss", "config"},
-    # framework adapters (slime: custom loss over the own-loop API, TP group from mcore; its
-    # rollout hooks check SGLang answers with the rb.sglang parser)
-    "integrations": {"own_loop", "ops", "config", "mcore", "rb.core", "rb.sglang"},
+    # framework adapters (slime's custom loss and rollout hooks, verl's policy losses and logits
+    # processor) over the own-loop API, the op and the loss; TP group from mcore; slime's hooks
+    # check SGLang answers with the rb.sglang parser
+    "integrations": {"own_loop", "ops", "parallel", "loss", "config", "mcore", "rb.core",
+                     "rb.sglang"},
     "mcore": {"ops", "parallel", "loss", "config", "configtree", "metrics", "arch", "fsutil",
               "triton_stub", "intmath"},
     "convert": {"arch", "configtree", "layout", "mcore", "ops", "netutil"},
