@@ -61,10 +61,15 @@ def load_runs(folder: str) -> list[dict]:
             meta = json.load(f)
         runs.append({"name": name, "summary": summary, "meta": meta})
     runs.sort(key=lambda r: (r["meta"].get("date", ""), r["summary"].get("torch_threads", 0),
-                             str(r["summary"].get("seed"))))
+                             _seed_key(r["summary"].get("seed"))))
     if not runs:
         raise ValueError(f"{folder}: no stored run (a folder with summary.json and run.json)")
     return runs
+
+
+def _seed_key(x) -> tuple:
+    """Numbers in numeric order, anything else after them."""
+    return (0, x, "") if isinstance(x, int) else (1, 0, str(x))
 
 
 def _f(x, digits: int = 3) -> str:
@@ -110,8 +115,8 @@ def doc_line(folder: str) -> str:
     """One line (no newline) for README's headline row: runs, seeds, threads, ranges."""
     runs = load_runs(folder)
     s_all = [r["summary"] for r in runs]
-    seeds = sorted({s.get("seed") for s in s_all}, key=str)
-    threads = sorted({s.get("torch_threads") for s in s_all}, key=str)
+    seeds = sorted({s.get("seed") for s in s_all}, key=_seed_key)
+    threads = sorted({s.get("torch_threads") for s in s_all}, key=_seed_key)
     rew = [s["rl_reward_final"] - s["rl_reward_initial"] for s in s_all]
     acc = [(s["greedy_acc_before_rl"], s["greedy_acc_after_rl"]) for s in s_all]
     gains = [b - a for a, b in acc]
