@@ -224,5 +224,5 @@ def test_the_decision_check_catches_a_setup_that_would_replace(tmp_path, old, ne
 def test_the_wheel_ships_the_slime_hooks_and_their_patch(wheel):
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
-    assert {f"megatron_pdm/integrations/slime/{n}"
-            for n in ("__init__.py", "loss.py", "hooks.py", "passthrough.patch")} <= names
+    folder = "megatron_pdm/integrations/slime/"
+    assert {folder + n for n in ("__init__.py", "loss.py", "hooks.py", "passthrough.patch")} <= names
