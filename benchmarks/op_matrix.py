@@ -13,7 +13,9 @@ Every cell is one `benchmarks/bench_op.py` process (paired alternating rounds: `
 is the median over rounds of op / CE in the same round; peak extra RSS of each variant in a
 fresh process), run under `nice`; the driver adds the CPU model (megatron_pdm/hostinfo.py) and
 the 1-minute load average before and after the cell to each JSON line. bf16 cells run first, then
-fp32, N 2,048 before 8,192; `--until HH:MM` (UTC) stops before a cell that would start later.
+fp32, N 2,048 before 8,192; `--until HH:MM` (UTC) stops before a cell that would start later;
+a rerun skips the cells its output file already holds. Peak memory is measured at 1 thread
+(`--memory-threads`), "-" elsewhere.
 
     python benchmarks/op_matrix.py run --out results/op_matrix/cpu.jsonl --until 17:05
     python benchmarks/op_matrix.py docs            # regenerates docs/op.md's op-matrix blocks
@@ -67,8 +69,8 @@ def cells(dtypes=DTYPES, tokens=TOKENS, threads=THREADS) -> list[dict]:
             for d in dtypes for n in tokens for v, tp in SHARDS for t in threads]
 
 
-def _command(cell: dict, reps: int, json_path: str, memory: bool) -> list[str]:
-    cmd = ["nice", "-n", "5", sys.executable, str(ROOT / "benchmarks" / "bench_op.py"),
+def _command(cell: dict, reps: int, json_path: str, memory: bool, nice: int) -> list[str]:
+    cmd = ["nice", "-n", str(nice), sys.executable, str(ROOT / "benchmarks" / "bench_op.py"),
            "--tokens", str(cell["tokens"]), "--vocab", str(VOCABS[cell["vocab"]]),
            "--tp", str(cell["tp"]), "--dtype", cell["dtype"], "--threads", str(cell["threads"]),
            "--reps", str(reps), "--inputs", "realistic", "--variants", "ce,op_inplace",
@@ -76,22 +78,35 @@ def _command(cell: dict, reps: int, json_path: str, memory: bool) -> list[str]:
     return cmd if memory else cmd + ["--no-memory"]
 
 
+def _done(out: str) -> set[tuple]:
+    """The cells that already have rows in `out` (a rerun resumes after them)."""
+    if not os.path.exists(out):
+        return set()
+    return {(r["dtype"], r["tokens"], r["vocab_local"], r["threads"]) for r in load(out)}
+
+
 def run(out: str, *, dtypes, tokens, threads, reps: dict[int, int], until: str | None,
-        memory: bool = True) -> list[dict]:
-    """Runs the cells in order, appending their rows to `out`; returns the cells not run."""
+        memory_threads=(1,), nice: int = 5) -> list[dict]:
+    """Runs the cells in order, appending their rows to `out` (cells already there are kept and
+    skipped); peak memory is measured at the thread counts in `memory_threads` only (it does not
+    depend on them; each measurement is two more processes). Returns the cells not run."""
+    done = _done(out)
     stop = None
     if until:
         hh, mm = (int(x) for x in until.split(":"))
         stop = dt.datetime.now(dt.timezone.utc).replace(hour=hh, minute=mm, second=0)
     missing = []
     for cell in cells(dtypes, tokens, threads):
+        if (cell["dtype"], cell["tokens"], cell["vocab_local"], cell["threads"]) in done:
+            continue
         if stop is not None and dt.datetime.now(dt.timezone.utc) >= stop:
             missing.append(cell)
             continue
         load_before = os.getloadavg()[0]
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "rows.jsonl")
-            proc = subprocess.run(_command(cell, reps[cell["tokens"]], path, memory),
+            memory = cell["threads"] in memory_threads
+            proc = subprocess.run(_command(cell, reps[cell["tokens"]], path, memory, nice),
                                   capture_output=True, text=True)
             if proc.returncode != 0:
                 print(proc.stdout[-2000:], proc.stderr[-2000:], file=sys.stderr)
@@ -174,7 +189,9 @@ def main(argv=None) -> int:
     r.add_argument("--threads", default=",".join(map(str, THREADS)))
     r.add_argument("--reps", default="2048:5,8192:2", help="rounds per N (N:reps,...)")
     r.add_argument("--until", default=None, help="HH:MM UTC: start no cell at or after it")
-    r.add_argument("--no-memory", action="store_true")
+    r.add_argument("--memory-threads", default="1",
+                   help="thread counts whose cells also measure peak memory ('' for none)")
+    r.add_argument("--nice", type=int, default=5)
     for name in ("docs", "check"):
         sub.add_parser(name).add_argument("--doc", default=DOC)
     args = ap.parse_args(argv)
@@ -184,7 +201,8 @@ def main(argv=None) -> int:
         missing = run(args.out, dtypes=args.dtypes.split(","),
                       tokens=[int(x) for x in args.tokens.split(",")],
                       threads=[int(x) for x in args.threads.split(",")], reps=reps,
-                      until=args.until, memory=not args.no_memory)
+                      until=args.until, nice=args.nice,
+                      memory_threads=[int(x) for x in args.memory_threads.split(",") if x])
         for cell in missing:
             print("not run:", json.dumps(cell))
         return 0
