@@ -13,7 +13,7 @@ Every cell is one `benchmarks/bench_op.py` process (paired alternating rounds: `
 is the median over rounds of op / CE in the same round; peak extra RSS of each variant in a
 fresh process), run under `nice`; the driver adds the CPU model (megatron_pdm/hostinfo.py) and
 the 1-minute load average before and after the cell to each JSON line. bf16 cells run first, then
-fp32, N 2,048 before 8,192; `--until HH:MM` (UTC) stops before a cell that would start later;
+fp32, 1 thread before 2, N 2,048 before 8,192; `--until HH:MM` (UTC) stops before a cell that would start later;
 a rerun skips the cells its output file already holds. Peak memory is measured at 1 thread
 (`--memory-threads`), "-" elsewhere.
 
@@ -64,9 +64,9 @@ def shard_width(vocab: str, tp: int) -> int:
 
 
 def cells(dtypes=DTYPES, tokens=TOKENS, threads=THREADS) -> list[dict]:
-    """The matrix in run order: dtype (bf16 first), N, shard, threads."""
+    """The matrix in run order: dtype (bf16 first), threads, N, shard."""
     return [dict(dtype=d, tokens=n, vocab=v, tp=tp, vocab_local=shard_width(v, tp), threads=t)
-            for d in dtypes for n in tokens for v, tp in SHARDS for t in threads]
+            for d in dtypes for t in threads for n in tokens for v, tp in SHARDS]
 
 
 def _command(cell: dict, reps: int, json_path: str, memory: bool, nice: int) -> list[str]:

@@ -23,9 +23,9 @@ from megatron_pdm.ops.stats import LogSums
 from megatron_pdm.parallel.shards import ShardInfo, owned_support
 
 __all__ = [
-    "ACCEL_CHUNK_ELEMS",
-    "CPU_CHUNK_ELEMS",
+        "CPU_CHUNK_ELEMS",
     "NUM_SUM_EXTRA",
+    "WIDE_CHUNK_ELEMS",
     "GradRows",
     "MaskedColumns",
     "grad_in_storage",
@@ -41,21 +41,29 @@ __all__ = [
 ]
 
 CPU_CHUNK_ELEMS = 1 << 20
-"""Row chunks on a CPU hold at most this many elements (4 MiB fp32): the passes over one chunk
-(upcast, shift, exp, sum, sum of squares) then run in the cache, and a buffer this small is
-reused by malloc from call to call. With 64 MiB chunks every call paid fresh pages (a 64 MiB
-buffer is mmap'ed and faulted in anew each time) and every pass went to memory: at N 2048 x
-V_local 16,384 in bf16 that made the op 1.0-1.2x CE's time instead of 0.7x (docs/op.md)."""
+"""Row chunks on a CPU running one thread hold at most this many elements (4 MiB fp32): the
+passes over one chunk (upcast, shift, exp, sum, sum of squares) then run in the cache, and a
+buffer this small is reused by malloc from call to call. With 64 MiB chunks every call paid
+fresh pages (a 64 MiB buffer is mmap'ed and faulted in anew each time) and every pass went to
+memory: at N 2048 x V_local 16,384 in bf16 that made the op 1.0-1.2x CE's time (docs/op.md)."""
 
-ACCEL_CHUNK_ELEMS = 1 << 24
-"""Row chunks on an accelerator hold at most this many elements (64 MiB fp32): few, large
-kernels (the caching allocator keeps the buffer, so there are no fresh pages to pay)."""
+WIDE_CHUNK_ELEMS = 1 << 24
+"""Row chunks on an accelerator or a multi-threaded CPU hold at most this many elements (64 MiB
+fp32): few, large kernels. On a CPU every op of every chunk is one parallel region whose
+threads meet at a barrier, and on a loaded machine a descheduled thread makes each barrier
+cost a scheduler time slice: with 2 threads on a busy 2-core machine, 2^20-element chunks made
+the op several times slower (docs/op.md, "The matrix"). The in-place exp pass is then not
+chunked at all (one region per pass, as before)."""
 
 
-def default_chunk_elems(device: torch.device) -> int:
-    """The row-chunk bound used when the caller gives none: `CPU_CHUNK_ELEMS` on a CPU,
-    `ACCEL_CHUNK_ELEMS` elsewhere. Only the chunk size differs; the code path is the same."""
-    return CPU_CHUNK_ELEMS if torch.device(device).type == "cpu" else ACCEL_CHUNK_ELEMS
+def default_chunk_elems(device: torch.device, *, in_storage: bool = False) -> int:
+    """The row-chunk bound used when the caller gives none: `CPU_CHUNK_ELEMS` on a CPU running
+    one thread, else `WIDE_CHUNK_ELEMS` (unbounded for the in-place exp pass, `in_storage`).
+    Only the chunk size differs; the code path is the same."""
+    if torch.device(device).type == "cpu" and torch.get_num_threads() == 1:
+        return CPU_CHUNK_ELEMS
+    return 1 << 62 if in_storage else WIDE_CHUNK_ELEMS
+
 
 NUM_SUM_EXTRA = 3
 """Columns after z_S in the packed SUM: z_k, Z_T, S2_T."""
@@ -189,7 +197,7 @@ def shard_tail_sums(
     if v == 0 or n == 0:
         return out_N2
     if chunk_elems is None:
-        chunk_elems = default_chunk_elems(real_NV.device)
+        chunk_elems = default_chunk_elems(real_NV.device, in_storage=in_storage)
     buf = None
     for r0, r1 in _chunks(n, v, chunk_elems):
         if in_storage:
