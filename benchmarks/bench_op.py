@@ -4,6 +4,8 @@ What is compared, on the same [N, V_local] logits shard of one TP rank, in one p
   ce          megatron.core.tensor_parallel.vocab_parallel_cross_entropy, fwd + bwd
   op_inplace  megatron_pdm.token_stats(..., inplace=True, validate=False): the Megatron adapter's
               path (fp32: works in the logits' storage like CE; bf16 ignores the flag)
+  op_inplace_wide  op_inplace with 2^24-element row chunks (`chunk_elems`; the default before
+              2026-12-06 on every device, kept for a paired before/after on a one-thread CPU)
   op          token_stats with the logits kept intact (default; softmax recomputed in backward)
   op_inplace_validated  op_inplace with validate=True (the support contract checked on the host
               every call, as for a caller that did not validate at the bridge)
@@ -89,7 +91,8 @@ V_REAL = 49152  # SmolLM2-135M-Instruct's (--real)
 DIVISIBLE_BY = 128  # megatron's make_vocab_size_divisible_by default
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-VARIANTS = ("ce", "op_inplace", "op_inplace_validated", "op", "gather", "ce_fp32", "op_fp32")
+VARIANTS = ("ce", "op_inplace", "op_inplace_wide", "op_inplace_validated", "op", "gather",
+            "ce_fp32", "op_fp32")
 
 
 def _setup_megatron_ce():
@@ -128,8 +131,9 @@ def _step_fn(variant: str, inp: dict):
             return torch.autograd.grad(stats.logprob.sum(), x)[0]
 
         return step
-    if variant in ("op", "op_inplace", "op_inplace_validated"):
+    if variant in ("op", "op_inplace", "op_inplace_wide", "op_inplace_validated"):
         inplace = variant != "op"
+        chunk = (1 << 24) if variant == "op_inplace_wide" else None
         validate = variant == "op_inplace_validated"
         # rank 0's shard alone: ids of the other ranks' shards (>= V_local) are not owned here,
         # exactly as on rank 0 of a real group (validate=False: the adapter's setting). The
@@ -142,7 +146,8 @@ def _step_fn(variant: str, inp: dict):
 
         def step(x):
             stats = pdm.token_stats(x, sampled, ids, lp, valid, vocab_size=vocab,
-                                    validate=validate, inplace=inplace, tp_group=None)
+                                    validate=validate, inplace=inplace, tp_group=None,
+                                    chunk_elems=chunk)
             return torch.autograd.grad(stats.logprob.sum(), x)[0]
 
         return step
