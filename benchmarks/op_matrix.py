@@ -10,8 +10,9 @@ shard of the padded vocabulary (`megatron_pdm.arch.vocab_shard_width`, never by 
     N 2,048 and 8,192 tokens, bf16 and fp32 logits, 1 and 2 torch threads.
 
 Every cell is one `benchmarks/bench_op.py` process (paired alternating rounds: `vs_ce_paired`
-is the median over rounds of op / CE in the same round; peak extra RSS of each variant in a
-fresh process), run under `nice`; the driver adds the CPU model (megatron_pdm/hostinfo.py) and
+is the median over rounds of op / CE in the same round, by wall time, and `vs_ce_paired_cpu`
+the same by process CPU time, "-" for rows measured before it was recorded; peak extra RSS of
+each variant in a fresh process), run under `nice`; the driver adds the CPU model (megatron_pdm/hostinfo.py) and
 the 1-minute load average before and after the cell to each JSON line. bf16 cells run first, then
 fp32, 1 thread before 2, N 2,048 before 8,192; `--until HH:MM` (UTC) stops before a cell that would start later;
 a rerun skips the cells its output file already holds. Peak memory is measured at 1 thread
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import math
 import os
 import re
 import subprocess
@@ -144,9 +146,9 @@ def table(rows: list[dict]) -> str:
                  key=lambda r: (order.get((r["dtype"], r["tokens"], r["vocab_local"]), 1 << 30),
                                 r["threads"], r["finished_utc"]))
     out = ["| logits | N | vocabulary, TP | V_local | threads | CE median s | op median s "
-           "| op / CE paired | op / CE of medians | extra peak RSS MiB, CE / op | memory op / CE "
-           "| rounds | load 1 min | CPU |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "| op / CE paired | op / CE paired, CPU time | op / CE of medians "
+           "| extra peak RSS MiB, CE / op | memory op / CE | rounds | load 1 min | CPU |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in ops:
         c = ce[(r["dtype"], r["tokens"], r["vocab_local"], r["threads"], r["finished_utc"])]
         name = "real model" if r["vocab_name"] == "real" else "Qwen3"
@@ -155,7 +157,8 @@ def table(rows: list[dict]) -> str:
         out.append(
             f"| {r['dtype']} | {r['tokens']} | {name}, TP {r['tp']} | {r['vocab_local']} "
             f"| {r['threads']} | {c['median_s']:.3f} | {r['median_s']:.3f} "
-            f"| **{_fmt(r['vs_ce_paired'])}** | {_fmt(r['vs_ce'])} | {mem} "
+            f"| **{_fmt(r['vs_ce_paired'])}** | {_fmt(r.get('vs_ce_paired_cpu', math.nan))} "
+            f"| {_fmt(r['vs_ce'])} | {mem} "
             f"| {_fmt(r['mem_vs_ce'])} | {r['reps']} "
             f"| {r['load_before']:.1f}-{r['load_after']:.1f} | {r['cpu_model']} |")
     return "\n".join(out) + "\n"
