@@ -4,6 +4,8 @@ What is compared, on the same [N, V_local] logits shard of one TP rank, in one p
   ce          megatron.core.tensor_parallel.vocab_parallel_cross_entropy, fwd + bwd
   op_inplace  megatron_pdm.token_stats(..., inplace=True, validate=False): the Megatron adapter's
               path (fp32: works in the logits' storage like CE; bf16 ignores the flag)
+  op_inplace_wide  op_inplace with 2^24-element row chunks (`chunk_elems`; the default before
+              2026-12-06 on every device, kept for a paired before/after on a one-thread CPU)
   op          token_stats with the logits kept intact (default; softmax recomputed in backward)
   op_inplace_validated  op_inplace with validate=True (the support contract checked on the host
               every call, as for a caller that did not validate at the bridge)
@@ -32,7 +34,8 @@ round (load from other jobs on a shared machine hits all of them alike); fresh l
 outside the timed region before every step (CE and op_inplace overwrite them). Also reported:
 the fastest round (`min_s`) and the paired ratio (`vs_ce_paired`, the median over rounds of the
 variant's time over CE's in the same round), steadier than the ratio of medians when other jobs
-load the machine. Threads:
+load the machine; the same for the process CPU time of each step (`cpu_times_s`,
+`vs_ce_paired_cpu`: time spent waiting for a core on a busy machine is not in it). Threads:
 `--threads n` sets OMP_NUM_THREADS and torch.set_num_threads(n) before torch starts.
 Peak memory: each variant runs once in a fresh spawned process that loads the same inputs; the
 peak RSS (VmHWM, reset through /proc/self/clear_refs once the inputs and the logits exist) minus
@@ -89,7 +92,8 @@ V_REAL = 49152  # SmolLM2-135M-Instruct's (--real)
 DIVISIBLE_BY = 128  # megatron's make_vocab_size_divisible_by default
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-VARIANTS = ("ce", "op_inplace", "op_inplace_validated", "op", "gather", "ce_fp32", "op_fp32")
+VARIANTS = ("ce", "op_inplace", "op_inplace_wide", "op_inplace_validated", "op", "gather",
+            "ce_fp32", "op_fp32")
 
 
 def _setup_megatron_ce():
@@ -128,8 +132,9 @@ def _step_fn(variant: str, inp: dict):
             return torch.autograd.grad(stats.logprob.sum(), x)[0]
 
         return step
-    if variant in ("op", "op_inplace", "op_inplace_validated"):
+    if variant in ("op", "op_inplace", "op_inplace_wide", "op_inplace_validated"):
         inplace = variant != "op"
+        chunk = (1 << 24) if variant == "op_inplace_wide" else None
         validate = variant == "op_inplace_validated"
         # rank 0's shard alone: ids of the other ranks' shards (>= V_local) are not owned here,
         # exactly as on rank 0 of a real group (validate=False: the adapter's setting). The
@@ -142,7 +147,8 @@ def _step_fn(variant: str, inp: dict):
 
         def step(x):
             stats = pdm.token_stats(x, sampled, ids, lp, valid, vocab_size=vocab,
-                                    validate=validate, inplace=inplace, tp_group=None)
+                                    validate=validate, inplace=inplace, tp_group=None,
+                                    chunk_elems=chunk)
             return torch.autograd.grad(stats.logprob.sum(), x)[0]
 
         return step
@@ -200,20 +206,23 @@ def _peak_memory(_, variant: str, path: str, threads: int, queue) -> None:
     queue.put((variant, max(0, peak - base)))
 
 
-def _timings(variants, inp, reps: int) -> dict[str, list[float]]:
+def _timings(variants, inp, reps: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """(wall seconds, process CPU seconds) per variant and round."""
     steps = {v: _step_fn(v, inp) for v in variants}
     w = torch.ones((), dtype=inp["shard"].dtype, requires_grad=True)
     times: dict[str, list[float]] = {v: [] for v in variants}
+    cpu: dict[str, list[float]] = {v: [] for v in variants}
     for round_ in range(reps + 1):  # round 0 is the warm-up
         for v, step in steps.items():
             x = _fresh_logits(inp["shard"], w)
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             grad = step(x)
-            dt = time.perf_counter() - t0
+            dt, dc = time.perf_counter() - t0, time.process_time() - c0
             if round_:
                 times[v].append(dt)
+                cpu[v].append(dc)
             del grad, x
-    return times
+    return times, cpu
 
 
 def _paired_ratio(times: dict[str, list[float]], variant: str) -> float:
@@ -242,7 +251,7 @@ def run(args, kind: str) -> list[dict]:
                                    nprocs=1, join=True, start_method="spawn")
                 name, mem = queue.get()
                 memory[name] = mem
-    times = _timings(variants, inp, args.reps)
+    times, cpu = _timings(variants, inp, args.reps)
     med = {v: statistics.median(t) for v, t in times.items()}
     rows = []
     for v in variants:
@@ -252,6 +261,8 @@ def run(args, kind: str) -> list[dict]:
             threads=torch.get_num_threads(), reps=args.reps, median_s=med[v],
             times_s=times[v], vs_ce=med[v] / med["ce"] if "ce" in med else float("nan"),
             min_s=min(times[v]), vs_ce_paired=_paired_ratio(times, v),
+            cpu_times_s=cpu[v], cpu_median_s=statistics.median(cpu[v]),
+            vs_ce_paired_cpu=_paired_ratio(cpu, v),
             extra_peak_mib=memory.get(v, float("nan")) / 2**20,
             mem_vs_ce=(memory[v] / memory["ce"]) if memory.get("ce") else float("nan"),
             **facts))

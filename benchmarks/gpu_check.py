@@ -17,7 +17,10 @@ rewritten after every part. Parts:
    {8192, 32768}, V in {151936, 38016 (a TP4 shard of the padded vocabulary)}, bf16 and fp32, the ratio in the same run;
    for bf16 logits also the op on their fp32 copy (in place, as an fp32 LM-head output would
    feed it): the measurement behind the logits-dtype rule (docs/op.md).
-4. optimizer_step: one bf16 optimizer step of a 2-layer full-width Qwen3-30B-A3B slice through the
+4. op_matrix: the bf16 Qwen3 cells of the CPU matrix (benchmarks/op_matrix.py: N 2048 and 8192,
+   TP 2, 4, 8 shards), `token_stats(inplace=True)` vs megatron's CE, paired alternating rounds
+   and peak memory (benchmarks/gpu_op_matrix.py).
+5. optimizer_step: one bf16 optimizer step of a 2-layer full-width Qwen3-30B-A3B slice through the
    driver's own functions (mcore.parallel.init_parallel, mcore.model, mcore.optimizer,
    train.schedule.optimizer_step with mcore.loss_adapter.make_loss_func).
 
@@ -37,17 +40,19 @@ from pathlib import Path
 from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _path in (ROOT, ROOT / "benchmarks"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
+from gpu_env import environment  # noqa: E402 (benchmarks/gpu_env.py)
 from megatron_pdm.arch import vocab_shard_width  # noqa: E402 (pure: no torch)
 
 V_QWEN3 = 151936
 V_TP4_SHARD = vocab_shard_width(V_QWEN3, 128, 4)  # 38016: 151936 padded to 152064 (128*4), / 4
 
-# part -> (seconds allowed on a GPU, seconds allowed in smoke mode); the sum stays well inside 8 min
+# part -> (seconds allowed on a GPU, seconds allowed in smoke mode); the sum stays inside 9 min
 BUDGET_S = {"correctness": (60, 120), "no_host_sync": (60, 120), "op_vs_ce": (150, 180),
-            "optimizer_step": (150, 240)}
+            "op_matrix": (120, 240), "optimizer_step": (150, 240)}
 
 
 class Skip(Exception):
@@ -57,9 +62,10 @@ class Skip(Exception):
 def _sizes(smoke: bool) -> dict:
     if smoke:
         return dict(device="cpu", vocab=1000, tokens=16, bench_tokens=(32,), bench_vocab=(1000, 250),
-                    iters=2, seq_len=16)
+                    iters=2, seq_len=16, matrix_tokens=(16,), matrix_rounds=1)
     return dict(device="cuda", vocab=V_QWEN3, tokens=2048, bench_tokens=(8192, 32768),
-                bench_vocab=(V_QWEN3, V_TP4_SHARD), iters=5, seq_len=2048)
+                bench_vocab=(V_QWEN3, V_TP4_SHARD), iters=5, seq_len=2048,
+                matrix_tokens=(2048, 8192), matrix_rounds=7)
 
 
 def synthetic_rollout(logits_nv, top_k: int, vocab_size: int, seed: int = 0) -> dict:
@@ -235,6 +241,17 @@ def part_op_vs_ce(sz: dict) -> dict:
     return {"rows": rows, "iters": sz["iters"], "validate": False}
 
 
+def part_op_matrix(sz: dict) -> dict:
+    """The bf16 Qwen3 cells of benchmarks/op_matrix.py, paired (benchmarks/gpu_op_matrix.py)."""
+    from gpu_op_matrix import run_matrix  # benchmarks/ is on sys.path (the script's folder)
+
+    from megatron_pdm.mcore.parallel import init_parallel
+
+    _single_rank_env()
+    init_parallel(tp=1, ep=1, pp=1)
+    return run_matrix(sz)
+
+
 def part_optimizer_step(sz: dict) -> dict:
     import torch
 
@@ -301,7 +318,8 @@ def part_optimizer_step(sz: dict) -> dict:
 
 
 PARTS = {"correctness": part_correctness, "no_host_sync": part_no_host_sync,
-         "op_vs_ce": part_op_vs_ce, "optimizer_step": part_optimizer_step}
+         "op_vs_ce": part_op_vs_ce, "op_matrix": part_op_matrix,
+         "optimizer_step": part_optimizer_step}
 
 
 def _single_rank_env() -> None:
@@ -327,31 +345,6 @@ def run_part(name: str, smoke: bool) -> dict:
         return {"status": "failed", "reason": f"{type(err).__name__}: {err}"}
 
 
-def _environment() -> dict:
-    env = {"python": sys.version.split()[0]}
-    try:
-        import torch
-
-        env.update(torch=torch.__version__, torch_cuda=torch.version.cuda,
-                   cuda_available=torch.cuda.is_available())
-        if torch.cuda.is_available():
-            env.update(device=torch.cuda.get_device_name(0),
-                       capability=list(torch.cuda.get_device_capability(0)))
-            try:
-                env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
-            except Exception as err:  # noqa: BLE001
-                env["nccl"] = f"unknown ({err})"
-    except ImportError as err:
-        env["torch"] = f"missing: {err}"
-    try:
-        from importlib.metadata import version
-
-        env["megatron_core"] = version("megatron-core")
-    except Exception:  # noqa: BLE001
-        env["megatron_core"] = None
-    return env
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default="gpu_check.json")
@@ -363,7 +356,7 @@ def main(argv=None) -> int:
         print(json.dumps(run_part(args.part, args.smoke)))
         return 0
     out = Path(args.out)
-    report = {"mode": "smoke" if args.smoke else "gpu", "environment": _environment(),
+    report = {"mode": "smoke" if args.smoke else "gpu", "environment": environment(),
               "parts": {}}
     wanted = [n.strip() for n in args.parts.split(",") if n.strip()]
     unknown = [n for n in wanted if n not in PARTS]

@@ -23,8 +23,9 @@ from megatron_pdm.ops.stats import LogSums
 from megatron_pdm.parallel.shards import ShardInfo, owned_support
 
 __all__ = [
-    "DEFAULT_CHUNK_ELEMS",
+    "CPU_CHUNK_ELEMS",
     "NUM_SUM_EXTRA",
+    "WIDE_CHUNK_ELEMS",
     "GradRows",
     "MaskedColumns",
     "grad_in_storage",
@@ -35,12 +36,34 @@ __all__ = [
     "restore_columns",
     "shard_tail_max",
     "shard_tail_sums",
+    "default_chunk_elems",
     "work_dtype",
 ]
 
-DEFAULT_CHUNK_ELEMS = 1 << 24
-"""Row chunks of the default paths' fp32 working buffer hold at most this many elements (64 MiB).
-Fewer, larger chunks keep the per-op thread barriers of CPU kernels rare."""
+CPU_CHUNK_ELEMS = 1 << 20
+"""Row chunks on a CPU running one thread hold at most this many elements (4 MiB fp32): the
+passes over one chunk (upcast, shift, exp, sum, sum of squares) then run in the cache, and a
+buffer this small is reused by malloc from call to call. With 64 MiB chunks every call paid
+fresh pages (a 64 MiB buffer is mmap'ed and faulted in anew each time) and every pass went to
+memory: at N 2048 x V_local 16,384 in bf16 that made the op 1.0-1.2x CE's time (docs/op.md)."""
+
+WIDE_CHUNK_ELEMS = 1 << 24
+"""Row chunks on an accelerator or a multi-threaded CPU hold at most this many elements (64 MiB
+fp32): few, large kernels. On a CPU every op of every chunk is one parallel region whose
+threads meet at a barrier, and on a loaded machine a descheduled thread makes each barrier
+cost a scheduler time slice: with 2 threads on a busy 2-core machine, 2^20-element chunks made
+the op several times slower (docs/op.md, "The matrix"). The in-place exp pass is then not
+chunked at all (one region per pass, as before)."""
+
+
+def default_chunk_elems(device: torch.device, *, in_storage: bool = False) -> int:
+    """The row-chunk bound used when the caller gives none: `CPU_CHUNK_ELEMS` on a CPU running
+    one thread, else `WIDE_CHUNK_ELEMS` (unbounded for the in-place exp pass, `in_storage`).
+    Only the chunk size differs; the code path is the same."""
+    if torch.device(device).type == "cpu" and torch.get_num_threads() == 1:
+        return CPU_CHUNK_ELEMS
+    return 1 << 62 if in_storage else WIDE_CHUNK_ELEMS
+
 
 NUM_SUM_EXTRA = 3
 """Columns after z_S in the packed SUM: z_k, Z_T, S2_T."""
@@ -157,33 +180,35 @@ def shard_tail_sums(
     real_NV: torch.Tensor,
     shift_N: torch.Tensor,
     temperature: float,
-    chunk_elems: int = DEFAULT_CHUNK_ELEMS,
+    chunk_elems: int | None = None,
     in_storage: bool = False,
 ) -> torch.Tensor:
     """Local exact tail sums relative to the global shift: [N, 2] = (Z_T, S2_T).
 
     `real_NV` has its masked columns at -inf (they contribute e^-inf = 0). With `in_storage`
     (the logits already in the working dtype, in-place mode) e = exp(z/T - shift) is computed in
-    the logits' own storage and left there for backward, in one pass over all rows; otherwise a
-    reusable fp32 row-chunk buffer holds it.
+    the logits' own storage and left there for backward; otherwise a reusable fp32 row-chunk
+    buffer holds it. Either way the rows go in chunks of at most `chunk_elems` elements
+    (None: `default_chunk_elems` of the device), every pass of a chunk done before the next.
     """
     work = shift_N.dtype
     n, v = real_NV.shape
     out_N2 = torch.zeros((n, 2), dtype=work, device=real_NV.device)
     if v == 0 or n == 0:
         return out_N2
-    if in_storage:
-        e_NV = _exp_shifted_(real_NV, real_NV, shift_N, temperature)
-        out_N2[:, 0] = e_NV.sum(-1)
-        # sum of squares in one read pass (no squared temporary)
-        out_N2[:, 1] = torch.linalg.vector_norm(e_NV, 2, -1).square_()
-        return out_N2
+    if chunk_elems is None:
+        chunk_elems = default_chunk_elems(real_NV.device, in_storage=in_storage)
     buf = None
     for r0, r1 in _chunks(n, v, chunk_elems):
-        if buf is None:  # the only [rows, Vl] temporary, reused by every chunk
-            buf = torch.empty((r1 - r0, v), dtype=work, device=real_NV.device)
-        e_RV = _exp_shifted_(buf[: r1 - r0], real_NV[r0:r1], shift_N[r0:r1], temperature)
+        if in_storage:
+            dst_RV = real_NV[r0:r1]
+        else:
+            if buf is None:  # the only [rows, Vl] temporary, reused by every chunk
+                buf = torch.empty((r1 - r0, v), dtype=work, device=real_NV.device)
+            dst_RV = buf[: r1 - r0]
+        e_RV = _exp_shifted_(dst_RV, real_NV[r0:r1], shift_N[r0:r1], temperature)
         out_N2[r0:r1, 0] = e_RV.sum(-1)
+        # sum of squares in one read pass (no squared temporary)
         out_N2[r0:r1, 1] = torch.linalg.vector_norm(e_RV, 2, -1).square_()
     return out_N2
 
@@ -281,13 +306,13 @@ def grad_in_storage(e_NVl: torch.Tensor, rows: GradRows, grad_N: torch.Tensor, *
 
 def grad_recomputed(logits_NVl: torch.Tensor, rows: GradRows, grad_N: torch.Tensor, *,
                     shard: ShardInfo, temperature: float,
-                    chunk_elems: int = DEFAULT_CHUNK_ELEMS) -> torch.Tensor:
+                    chunk_elems: int | None = None) -> torch.Tensor:
     """Local gradient of sum_t grad_t * log pi_k(t) from the intact logits, softmax recomputed.
 
     Args:
         logits_NVl: the saved logits (unchanged by the default forward).
         rows: saved by forward. grad_N: upstream gradient of log pi_k.
-        shard, temperature, chunk_elems: as forward.
+        shard, temperature, chunk_elems: as forward (None: `default_chunk_elems`).
 
     The softmax is recomputed chunk by chunk into the gradient (fp32/fp64 logits) or through a
     reused fp32 buffer (bf16/fp16), and the sampled column is overwritten with its exact value.
@@ -309,6 +334,8 @@ def grad_recomputed(logits_NVl: torch.Tensor, rows: GradRows, grad_N: torch.Tens
     direct = logits_NVl.dtype == work
     src_NV = logits_NVl[:, : shard.n_real]
     k_idx_N1 = rows.idx_NM[:, s:]
+    if chunk_elems is None:
+        chunk_elems = default_chunk_elems(logits_NVl.device)
     buf = None
     for r0, r1 in _chunks(n, shard.n_real, chunk_elems):
         dst_RV = real_NV[r0:r1]

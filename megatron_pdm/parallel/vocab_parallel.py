@@ -29,7 +29,10 @@ Passes over the [N, V_l] shard (R read, W write), per path:
     bf16 (default)        amax R2 | copy R2+W4 (buf) | sub | exp | sum | norm
                           || bwd copy | sub | exp | mul | copy to bf16
 
-(the buffer passes of the default paths are row chunks of at most `chunk_elems` elements).
+(the forward's shift/exp/sum/norm and the backward's passes go row chunk by row chunk, at most
+`chunk_elems` elements each: on a CPU running one thread 2^20, so the passes of one chunk run in
+the cache and the bf16 upcast is a cache-resident copy; CE's fresh fp32 copy of the whole shard is
+what costs it most on a CPU, page faults included; elsewhere 2^24, few large kernels).
 
 Backward is the cross-entropy backward of the sampled token only:
 d log pi_k / d logits = (onehot_k - softmax) / temperature, local to each shard. Every other
@@ -38,8 +41,8 @@ the support and g (1 - pi_k) / T = g e^{log Z_-k - log Z} / T on k (no 1 - pi_k 
 
 Memory: by default the op saves the logits tensor by reference (no copy) plus [N, S] vectors, and
 *recomputes* the softmax chunk by chunk in backward instead of keeping an fp32 [N, Vl] softmax.
-Forward uses one reusable fp32 row-chunk buffer of at most `chunk_elems` elements (default 2^24 =
-64 MiB); the only full-size allocation is the gradient, in the logits' dtype. The masking of the
+Forward uses one reusable fp32 row-chunk buffer of at most `chunk_elems` elements (default 2^20
+= 4 MiB on a one-thread CPU, else 2^24 = 64 MiB); the only full-size allocation is the gradient, in the logits' dtype. The masking of the
 caller's logits during forward is undone bit-exactly before forward returns (through `.data`, so
 autograd's version counter is not bumped). `inplace=True` (fp32/fp64; what the Megatron adapter
 uses) works in the logits' storage like Megatron's CE: forward leaves exp(z/T - t) there (0 on the
@@ -70,7 +73,6 @@ from megatron_pdm.ops.stats import TokenStats, exp_shift, is_sampled_slot, log_s
 from megatron_pdm.parallel.collectives import all_reduce
 from megatron_pdm.parallel.contract import close_call, open_call
 from megatron_pdm.parallel.shard_math import (
-    DEFAULT_CHUNK_ELEMS,
     GradRows,
     grad_in_storage,
     grad_recomputed,
@@ -164,7 +166,7 @@ def token_stats(
     vocab_size: int | None,
     temperature: float = 1.0,
     validate: bool = True,
-    chunk_elems: int = DEFAULT_CHUNK_ELEMS,
+    chunk_elems: int | None = None,
     inplace: bool = False,
 ) -> TokenStats:
     """Per-token statistics of the training policy against the rollout support, vocab-parallel.
@@ -200,7 +202,10 @@ def token_stats(
             all, and such rows give NaN statistics (megatron's NaN checks see them in the loss
             and the gradient). Shapes, dtypes, vocab_size and temperature are always checked
             (host-side, no tensor data read).
-        chunk_elems: bound on the elements of a working chunk (default paths).
+        chunk_elems: bound on the elements of a row chunk (the fp32 working buffer of the
+            default paths; the exp pass of the in-place path); None: `default_chunk_elems` of
+            the logits' device (parallel/shard_math.py: 2^20 on a CPU running one thread,
+            else 2^24, and the in-place exp pass unchunked).
         inplace: fp32/fp64 logits only (ignored for bf16/fp16, which need an fp32 working copy
             anyway): like Megatron's CE, forward overwrites the logits' real columns with
             exp(z/T - t) and backward overwrites them with the gradient. One exp pass instead of
@@ -223,7 +228,7 @@ def token_stats(
                                   temperature=temperature, validate=validate)
     logprob_N, tail_max_N, packed_NP, is_k_NS, *sums = _VocabParallelTokenStats.apply(
         logits, sampled_ids, support_ids, support_valid, tp_group, shard, float(temperature),
-        int(chunk_elems), bool(inplace),
+        None if chunk_elems is None else int(chunk_elems), bool(inplace),
     )
     return close_call(logprob_N, sums, tail_max_N, packed_NP, is_k_NS,
                       support_ids_NS=support_ids, support_logprobs_NS=support_logprobs,

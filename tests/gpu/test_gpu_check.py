@@ -22,11 +22,12 @@ def test_gpu_check_runs_every_part(tmp_path):
     out = tmp_path / "gpu.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out)], env=env,
-                          capture_output=True, text=True, timeout=480)
+                          capture_output=True, text=True, timeout=600)
     report = json.loads(out.read_text())
     assert proc.returncode == 0, json.dumps(report["parts"], indent=1)
     parts = report["parts"]
     assert parts["correctness"]["result"]["fp32"]["worst"] < 1e-3
     assert parts["no_host_sync"]["status"] == "ok"
     assert len(parts["op_vs_ce"]["result"]["rows"]) == 8
+    assert len(parts["op_matrix"]["result"]["rows"]) == 6  # N 2048, 8192 x TP 2, 4, 8
     assert parts["optimizer_step"]["result"]["grad_norm_finite"]

@@ -40,7 +40,8 @@ def test_smoke_mode_runs_every_part_and_writes_each_parts_shape(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert report["mode"] == "smoke" and report["environment"]["torch"]
     parts = report["parts"]
-    assert list(parts) == ["correctness", "no_host_sync", "op_vs_ce", "optimizer_step"]
+    assert list(parts) == ["correctness", "no_host_sync", "op_vs_ce", "op_matrix",
+                           "optimizer_step"]
     for entry in parts.values():
         assert entry["status"] in ("ok", "skipped") and entry["seconds"] <= entry["budget_s"]
     corr = parts["correctness"]["result"]
@@ -61,6 +62,12 @@ def test_smoke_mode_runs_every_part_and_writes_each_parts_shape(tmp_path):
         if r["dtype"] == "bf16":
             assert r["ratio_time_cast_vs_bf16"] == r["pdm_fp32_cast_ms"] / r["pdm_ms"]
     assert parts["op_vs_ce"]["result"]["validate"] is False
+    matrix = parts["op_matrix"]["result"]["rows"]  # the bf16 Qwen3 shards of the CPU matrix
+    assert [(r["tp"], r["vocab_local"]) for r in matrix] == [(2, 76032), (4, 38016), (8, 19072)]
+    for r in matrix:
+        assert r["dtype"] == "bf16" and r["tokens"] == 16 and r["rounds"] == 1
+        assert abs(r["vs_ce_paired"] - r["op_ms"] / r["ce_ms"]) < 1e-9  # one round
+        assert r["memory_vs_ce"] is None or not torch.cuda.is_available()
     step = parts["optimizer_step"]["result"]
     assert step["layers"] == 2 and step["grad_norm_finite"]
     assert step["params_changed"] == step["params_total"] > 0
@@ -72,11 +79,11 @@ def test_a_failing_part_is_recorded_and_the_others_still_run(tmp_path):
     stub = tmp_path / "stub"
     (stub / "megatron").mkdir(parents=True)
     (stub / "megatron" / "__init__.py").write_text("raise ImportError('no megatron here')\n")
-    proc, report = _run(tmp_path, "--parts", "correctness,op_vs_ce,optimizer_step",
+    proc, report = _run(tmp_path, "--parts", "correctness,op_vs_ce,op_matrix,optimizer_step",
                         env_extra={"PYTHONPATH": f"{stub}{os.pathsep}{ROOT}"})
     parts = report["parts"]
     assert parts["correctness"]["status"] == "ok"
-    for name in ("op_vs_ce", "optimizer_step"):
+    for name in ("op_vs_ce", "op_matrix", "optimizer_step"):
         assert parts[name]["status"] == "skipped", parts[name]
         assert "no megatron here" in parts[name]["reason"]
 
