@@ -21,6 +21,7 @@ docs/main-job.md).
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from typing import Callable
@@ -62,14 +63,29 @@ KINDS: dict[str, Callable[[str, str], str]] = {
 }
 
 
+def _stamp(full: str) -> tuple:
+    """(name, size, mtime) of `full` and, for a folder, of every file under it: a changed input
+    changes the stamp, so a cached rendering is never stale."""
+    paths = [full] if os.path.isfile(full) else sorted(
+        os.path.join(d, f) for d, _, files in os.walk(full) for f in files)
+    return tuple((p, os.path.getsize(p), os.path.getmtime(p)) for p in paths)
+
+
+@functools.lru_cache(maxsize=64)
+def _render_cached(kind: str, full: str, path: str, stamp: tuple) -> str:
+    return KINDS[kind](full, path)
+
+
 def render(kind: str, path: str, root: str = ".") -> str:
-    """The generated text of one block (`path` relative to `root`)."""
+    """The generated text of one block (`path` relative to `root`); a block already rendered
+    from unchanged inputs in this process is not recomputed (the study summaries' resampling
+    makes each rendering seconds)."""
     if kind not in KINDS:
         raise ValueError(f"unknown generated block kind {kind!r}; known: {sorted(KINDS)}")
     full = os.path.join(root, path)
     if not os.path.exists(full):
         raise FileNotFoundError(f"generated block <!-- {kind} {path} -->: {full} does not exist")
-    return KINDS[kind](full, path)
+    return _render_cached(kind, full, path, _stamp(full))
 
 
 def _blocks(doc: str) -> tuple[str, list[re.Match]]:
