@@ -44,6 +44,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from megatron_pdm.arch import vocab_shard_width  # noqa: E402 (pure: no torch)
+from megatron_pdm.analysis import doc_blocks  # noqa: E402 (stdlib only)
 from megatron_pdm.hostinfo import cpu_model  # noqa: E402
 
 VOCABS = {"real": 49152, "qwen3": 151936}
@@ -57,6 +58,7 @@ DTYPES = ("bf16", "fp32")
 THREADS = (1, 2)
 DIVISIBLE_BY = 128  # megatron's make_vocab_size_divisible_by default
 DOC = "docs/op.md"
+# the marker of that block, as tests/unit/test_op_matrix.py reads it
 BLOCK = re.compile(r"(<!-- op-matrix (\S+) -->\n)(.*?)(<!-- /op-matrix -->)", re.S)
 
 
@@ -169,17 +171,23 @@ def load(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def _block(full: str, path: str) -> str:
+    return table(load(full))
+
+
+# the docs block, rendered by the project's one block mechanism (megatron_pdm/analysis/doc_blocks.py)
+KIND = {"op-matrix": _block}
+
+
 def render(text: str, root: str = ".") -> str:
     """`text` with every op-matrix block regenerated from its file (paths relative to root)."""
-    return BLOCK.sub(lambda mt: mt.group(1) + table(load(os.path.join(root, mt.group(2))))
-                     + mt.group(4), text)
+    return doc_blocks.render_text(text, root, KIND)
 
 
 def check_doc(doc: str = DOC, root: str = ".") -> list[str]:
     """The files whose block in `doc` differs from what `render` writes."""
-    text = Path(root, doc).read_text() if not os.path.isabs(doc) else Path(doc).read_text()
-    return [mt.group(2) for mt in BLOCK.finditer(text)
-            if mt.group(3) != table(load(os.path.join(root, mt.group(2))))]
+    doc = doc if os.path.isabs(doc) else os.path.join(root, doc)
+    return [b.split(" ", 1)[1] for b in doc_blocks.check(doc, root, KIND)]
 
 
 def main(argv=None) -> int:

@@ -26,7 +26,7 @@ import os
 import re
 from typing import Callable
 
-__all__ = ["BLOCK", "KINDS", "check", "render", "update"]
+__all__ = ["BLOCK", "KINDS", "check", "render", "render_text", "update"]
 
 BLOCK = re.compile(r"(<!-- ([a-z-]+) (\S+) -->\n?)(.*?)(<!-- /\2 -->)", re.S)
 
@@ -72,45 +72,59 @@ def _stamp(full: str) -> tuple:
 
 
 @functools.lru_cache(maxsize=64)
-def _render_cached(kind: str, full: str, path: str, stamp: tuple) -> str:
-    return KINDS[kind](full, path)
+def _render_cached(fn: Callable[[str, str], str], full: str, path: str, stamp: tuple) -> str:
+    return fn(full, path)
 
 
-def render(kind: str, path: str, root: str = ".") -> str:
-    """The generated text of one block (`path` relative to `root`); a block already rendered
-    from unchanged inputs in this process is not recomputed (the study summaries' resampling
-    makes each rendering seconds)."""
-    if kind not in KINDS:
-        raise ValueError(f"unknown generated block kind {kind!r}; known: {sorted(KINDS)}")
+def render(kind: str, path: str, root: str = ".",
+           kinds: dict[str, Callable[[str, str], str]] | None = None) -> str:
+    """The generated text of one block (`path` relative to `root`; `kinds`: renderers beside
+    KINDS, e.g. benchmarks/op_matrix.py's `op-matrix`); a block already rendered from unchanged
+    inputs in this process is not recomputed (the study summaries' resampling makes each
+    rendering seconds)."""
+    known = {**KINDS, **(kinds or {})}
+    if kind not in known:
+        raise ValueError(f"unknown generated block kind {kind!r}; known: {sorted(known)}")
     full = os.path.join(root, path)
     if not os.path.exists(full):
         raise FileNotFoundError(f"generated block <!-- {kind} {path} -->: {full} does not exist")
-    return _render_cached(kind, full, path, _stamp(full))
+    return _render_cached(known[kind], full, path, _stamp(full))
 
 
-def _blocks(doc: str) -> tuple[str, list[re.Match]]:
+def _found(text: str, known) -> list[re.Match]:
+    return [m for m in BLOCK.finditer(text) if m.group(2) in known]
+
+
+def render_text(text: str, root: str = ".", kinds=None) -> str:
+    """`text` with every generated block rewritten (the blocks of other kinds untouched)."""
+    known = {**KINDS, **(kinds or {})}
+    return BLOCK.sub(lambda m: (m.group(1) + render(m.group(2), m.group(3), root, kinds)
+                                + m.group(5)) if m.group(2) in known else m.group(0), text)
+
+
+def _blocks(doc: str, kinds=None) -> tuple[str, list[re.Match]]:
     with open(doc) as f:
         text = f.read()
-    found = [m for m in BLOCK.finditer(text) if m.group(2) in KINDS]
+    known = {**KINDS, **(kinds or {})}
+    found = _found(text, known)
     if not found:
         raise ValueError(f"{doc}: no generated block (<!-- KIND PATH --> ... <!-- /KIND -->, "
-                         f"KIND one of {sorted(KINDS)})")
+                         f"KIND one of {sorted(known)})")
     return text, found
 
 
-def update(doc: str, root: str = ".") -> int:
+def update(doc: str, root: str = ".", kinds=None) -> int:
     """Rewrites every generated block of `doc`; returns the number of blocks."""
-    text, found = _blocks(doc)
-    new = BLOCK.sub(lambda m: (m.group(1) + render(m.group(2), m.group(3), root) + m.group(5))
-                    if m.group(2) in KINDS else m.group(0), text)
+    text, found = _blocks(doc, kinds)
+    new = render_text(text, root, kinds)
     if new != text:
         with open(doc, "w") as f:
             f.write(new)
     return len(found)
 
 
-def check(doc: str, root: str = ".") -> list[str]:
+def check(doc: str, root: str = ".", kinds=None) -> list[str]:
     """`KIND PATH` of every block of `doc` whose text differs from what `update` writes."""
-    _, found = _blocks(doc)
+    _, found = _blocks(doc, kinds)
     return [f"{m.group(2)} {m.group(3)}" for m in found
-            if m.group(4) != render(m.group(2), m.group(3), root)]
+            if m.group(4) != render(m.group(2), m.group(3), root, kinds)]
