@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 
 from megatron_pdm.stability import summary as S
 from megatron_pdm.stability.grid import METHODS, Cell, Grid
@@ -32,9 +33,22 @@ def append_record(out: str, record: dict) -> None:
         os.fsync(f.fileno())
 
 
+def default_jobs(nproc: int, threads: int) -> int:
+    """Cells side by side by default: as many as the machine's cores hold at `nproc` processes x
+    `threads` threads per cell (at least one)."""
+    return max(1, (os.cpu_count() or 1) // max(1, nproc * threads))
+
+
 def run_grid(grid: Grid, *, config: str, out: str, warmup_overrides: list[str], nproc: int = 1,
-             threads: int = 1, log=print) -> list[dict]:
-    """Shared warm-up, then every cell without a record, sequentially. Returns all records."""
+             threads: int = 1, jobs: int = 1, log=print) -> list[dict]:
+    """Shared warm-up, then every cell without a record, `jobs` at a time (each its own driver
+    process; a cell's numbers do not depend on `jobs`). Returns all records.
+
+    With jobs > 1 each cell's output goes to `runs/<cell>/driver.log`. A failed cell stops the
+    grid: no new cell starts, the running ones finish and are recorded, then its error is raised
+    (its log's tail printed first)."""
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs}")
     os.makedirs(out, exist_ok=True)
     warm_dir = os.path.abspath(os.path.join(out, "warmup"))
     # the warm-up uses the grid's layout and sizes (seed: the config's own)
@@ -43,19 +57,57 @@ def run_grid(grid: Grid, *, config: str, out: str, warmup_overrides: list[str], 
     log(f"stability: warm-up greedy accuracy {warm['evals'].get('before_rl', float('nan')):.3f}")
     done = {r["cell"] for r in read_records(out)}
     todo = [c for c in grid.cells() if c.name not in done]
-    log(f"stability: {len(done)} cells already recorded, {len(todo)} to run")
+    log(f"stability: {len(done)} cells already recorded, {len(todo)} to run, {jobs} at a time")
     t0 = time.time()
-    for k, cell in enumerate(todo, 1):
+
+    def one(cell: Cell) -> dict:
         t1 = time.time()
         run_dir = os.path.join(out, "runs", cell.name)
-        compare.run_one(config, METHODS[cell.method], cell.seed, run_dir, warm_dir,
-                        grid.overrides(cell), nproc, threads, grid.launcher(cell, config))
-        record = S.run_record(run_dir, cell, wall_s=time.time() - t1)
-        append_record(out, record)
+        log_path = os.path.join(run_dir, "driver.log") if jobs > 1 else None
+        try:
+            compare.run_one(config, METHODS[cell.method], cell.seed, run_dir, warm_dir,
+                            grid.overrides(cell), nproc, threads, grid.launcher(cell, config),
+                            log_path=log_path)
+        except Exception:
+            if log_path and os.path.exists(log_path):
+                with open(log_path) as f:
+                    log(f"stability: {cell.name} failed; the end of {log_path}:\n"
+                        + "".join(f.readlines()[-30:]))
+            raise
+        return S.run_record(run_dir, cell, wall_s=time.time() - t1)
+
+    def finished(k: int, record: dict) -> None:
+        append_record(out, record)  # only this (the calling) thread writes records.jsonl
         took = time.time() - t0
-        log(f"stability: {k}/{len(todo)} {cell.name} {time.time() - t1:.0f} s, "
+        log(f"stability: {k}/{len(todo)} {record['cell']} {record['wall_s']:.0f} s, "
             f"~{took / k * (len(todo) - k):.0f} s left")
+
+    if jobs == 1:
+        for k, cell in enumerate(todo, 1):
+            finished(k, one(cell))
+        return read_records(out)
+    error = None
+    with ThreadPoolExecutor(max_workers=jobs) as pool:  # threads only wait on driver processes
+        futures = [pool.submit(one, cell) for cell in todo]  # submitted in seed-major order
+        for k, fut in enumerate(as_completed(futures), 1):
+            try:
+                finished(k, fut.result())
+            except Exception as e:  # keep the finished cells; start nothing new
+                if error is None:
+                    error = e
+                    for f in futures:
+                        f.cancel()
+    if error is not None:
+        raise error
     return read_records(out)
 
 
-__all__ = ["Cell", "RECORDS", "append_record", "read_records", "run_grid"]
+def in_grid_order(grid: Grid, records: list[dict]) -> list[dict]:
+    """The grid's records in its cell order (records.jsonl is in finishing order with jobs > 1),
+    so the written results do not depend on which cell finished first."""
+    order = {c.name: k for k, c in enumerate(grid.cells())}
+    return sorted((r for r in records if r["cell"] in order), key=lambda r: order[r["cell"]])
+
+
+__all__ = ["Cell", "RECORDS", "append_record", "default_jobs", "in_grid_order", "read_records",
+           "run_grid"]

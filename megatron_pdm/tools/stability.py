@@ -46,12 +46,18 @@ def main(argv=None) -> int:
                    help="extra driver overrides for every run (after the grid's sizes)")
     p.add_argument("--nproc", type=int, default=1)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--jobs", type=int, default=None,
+                   help="cells run side by side, each its own driver process (default: the CPU "
+                        "count // (nproc x threads); a cell's numbers do not depend on it; "
+                        "settings with an engine server start one server per running cell)")
     p.add_argument("--report-only", action="store_true", help="rewrite the results from "
                    "records.jsonl without running anything")
     args = p.parse_args(argv)
     bad = [o for o in args.outcomes if o not in S.END_OUTCOMES]
     if bad:  # checked before any run: a typo must not cost the whole grid
         p.error(f"--outcomes: unknown {bad}; known: {', '.join(S.END_OUTCOMES)}")
+    if args.jobs is not None and args.jobs < 1:
+        p.error(f"--jobs must be >= 1, got {args.jobs}")
     if args.primary is not None and args.primary not in args.outcomes:
         p.error(f"--primary {args.primary!r} is not among --outcomes {args.outcomes}")
     smoke = args.smoke
@@ -65,9 +71,9 @@ def main(argv=None) -> int:
         records = run.read_records(args.output_dir)
     else:
         records = run.run_grid(grid, config=args.config, out=args.output_dir,
-                               warmup_overrides=warmup, nproc=args.nproc, threads=args.threads)
-    wanted = {c.name for c in grid.cells()}
-    records = [r for r in records if r["cell"] in wanted]
+                               warmup_overrides=warmup, nproc=args.nproc, threads=args.threads,
+                               jobs=args.jobs or run.default_jobs(args.nproc, args.threads))
+    records = run.in_grid_order(grid, records)
     command = "megatron-pdm-stability " + shlex.join(argv if argv is not None else sys.argv[1:])
     report.write(args.output_dir, records, command=command, baseline=args.baseline,
                  outcomes=args.outcomes, primary=args.primary,

@@ -31,13 +31,21 @@ from megatron_pdm.train.report import plot_runs
 TRACKER = "latest_checkpointed_iteration.txt"
 
 
-def _torchrun(args: list[str], nproc: int, threads: int, prefix: list[str] = ()) -> None:
+def _torchrun(args: list[str], nproc: int, threads: int, prefix: list[str] = (),
+              log_path: str | None = None) -> None:
     """One driver run; `prefix` wraps it (e.g. megatron_pdm.train.rollout.vllm_server ... --, which
-    starts the engine server, fills `{vllm_url}` into the arguments and stops it after)."""
+    starts the engine server, fills `{vllm_url}` into the arguments and stops it after). With
+    `log_path`, the run's stdout and stderr go to that file (runs side by side) instead of ours."""
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     cmd = [*prefix, torchrun, "--nproc-per-node", str(nproc), *LOCAL_TORCHRUN,
            "-m", "megatron_pdm.train", *args]
-    subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS=str(threads)))
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    if log_path is None:
+        subprocess.run(cmd, check=True, env=env)
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
+    with open(log_path, "w") as log:
+        subprocess.run(cmd, check=True, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def _sets(items: list[str]) -> list[str]:
@@ -64,11 +72,11 @@ def shared_warmup(config: str, out: str, overrides: list[str], nproc: int, threa
 
 
 def run_one(config: str, preset: str, seed: int, out: str, warm_dir: str, overrides: list[str],
-            nproc: int, threads: int, prefix: list[str] = ()) -> None:
+            nproc: int, threads: int, prefix: list[str] = (), log_path: str | None = None) -> None:
     sets = [*overrides, f"seed={seed}", f"checkpoint.load_dir={warm_dir}", "warmup.steps=0",
             "log.progress=false"]  # after the user's overrides: these must win
     _torchrun(["--config", config, "--preset", preset, "--output-dir", out, *_sets(sets)],
-              nproc, threads, prefix)
+              nproc, threads, prefix, log_path)
 
 
 def main(argv=None) -> int:
