@@ -19,7 +19,7 @@ from megatron_pdm.analysis.controls import build_controls
 from megatron_pdm.analysis.criteria import DEFAULT_CRITERIA, build_criteria
 from megatron_pdm.analysis.inference import DEFAULT_PRIMARY, parse_primary
 from megatron_pdm.configtree import ConfigError, apply_override, check_fields
-from megatron_pdm.hostinfo import cpu_model
+from megatron_pdm import hostinfo
 from megatron_pdm.mcore import checkpoint as ckpt
 from megatron_pdm.mcore.device import current_device
 from megatron_pdm.mcore import optimizer as mopt
@@ -209,9 +209,9 @@ def gather_setup(a, cfg, path, ckpt_iteration, trainer, j) -> dict:
 
 
 def machine() -> dict:
-    """What the numbers depend on besides the seeds: CPU model, cores, threads."""
-    return {"cpu_model": cpu_model(),
-            "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    """What the numbers depend on besides the seeds: CPU (model, id, torch's kernel ISA), cores,
+    threads, versions."""
+    return {**hostinfo.machine(), "torch_threads": torch.get_num_threads(),
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
             "torch_version": torch.__version__, "python": platform.python_version()}
 

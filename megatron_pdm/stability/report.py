@@ -7,7 +7,7 @@ import math
 import os
 from statistics import fmean, stdev
 
-from megatron_pdm.hostinfo import cpu_model
+from megatron_pdm.hostinfo import cpu_id, cpu_model, kernel_isa
 from megatron_pdm.stability import summary as S
 
 SCHEMA = 1
@@ -43,8 +43,8 @@ def write(out: str, records: list[dict], *, command: str, grid: dict, baseline: 
                             resamples=resamples)
     result = {"schema": SCHEMA, "command": command, "grid": grid, "baseline": baseline,
               "outcomes": list(outcomes), "primary": primary,
-              "machine": {"cpu": cpu_model(), "threads": os.environ.get("OMP_NUM_THREADS"),
-                          "cpus": os.cpu_count()},
+              "machine": {"cpu": cpu_model(), "cpu_id": cpu_id(), "kernel_isa": kernel_isa(),
+                          "threads": os.environ.get("OMP_NUM_THREADS"), "cpus": os.cpu_count()},
               "collapse_rule": {"acc_drop": S.ACC_DROP, "reward_fraction": S.REWARD_FRACTION,
                                 "window": S.WINDOW},
               "cells": cell_table(records), "comparisons": comparisons, "runs": records}

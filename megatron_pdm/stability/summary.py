@@ -102,6 +102,9 @@ def run_record(run_dir: str, cell, *, wall_s: float) -> dict:
             # train.eval_interval's held-out curve (iteration -> accuracy; ends only without it)
             "greedy_by_iteration": s.get("greedy_acc_by_iteration", {}),
             "collapse": collapse(rows, c, before, after),
+            # where the run ran (the driver's summary.json; absent in runs before it recorded them)
+            "machine": {k: s[k] for k in ("cpu_model", "cpu_id", "kernel_isa", "torch_threads")
+                        if k in s},
             "measured": {"staleness_max": max(c["staleness"], default=float("nan")),
                          "steps_per_batch": max(c["steps_per_batch"], default=float("nan"))}}
 

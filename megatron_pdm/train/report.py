@@ -217,8 +217,7 @@ def finish(cfg, evals: dict, wall_s: float) -> dict:
     summary["preset"] = cfg.loss.name or "custom"
     summary["seed"] = cfg.seed
     summary["torch_threads"] = torch.get_num_threads()  # results are per (machine, seed, threads)
-    summary["cpu_model"] = hostinfo.cpu_model()
-    summary["cpu_count"] = os.cpu_count()
+    summary.update(hostinfo.machine())  # cpu_model, cpu_id, kernel_isa, cpu_count
     summary["torch_version"] = torch.__version__
     if cfg.log.plot and rows:
         plot_runs({summary["preset"]: rows}, os.path.join(cfg.output_dir, "plot.png"),
