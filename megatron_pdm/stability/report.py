@@ -88,7 +88,43 @@ def markdown(result: dict) -> str:
         lines.append(f"| {r['setting']} | {r['method']} - {r['baseline']} | {r['outcome']} | "
                      f"{r.get('family', 'all')} | {r['n_seeds']} | {_fmt(r['mean_diff'])} | {ci} | {_fmt(r['p'])} | "
                      f"{_fmt(r['p_holm'])} | {r['verdict']} |")
+    lines += ["", *in_words(result)]
     return "\n".join(lines) + "\n"
+
+
+def in_words(result: dict) -> list[str]:
+    """The tables above in plain language, per setting: which methods the comparisons found
+    higher / lower than the baseline, no different, or could not decide, per outcome; where the
+    trust region bound (masked fraction at the end >= BINDS) and which runs collapsed. Written
+    from the same result, so it says nothing the tables do not."""
+    out = ["## In words (generated from the tables above)", ""]
+    settings = list(dict.fromkeys(c["setting"] for c in result["cells"]))
+    for setting in settings:
+        cells = [c for c in result["cells"] if c["setting"] == setting]
+        parts = []
+        for outcome in result["outcomes"]:
+            rows = [r for r in result["comparisons"]
+                    if r["setting"] == setting and r["outcome"] == outcome]
+            if not rows:
+                continue
+            groups: dict[str, list[str]] = {}
+            for r in rows:
+                label = r["verdict"].split(" (")[0]
+                groups.setdefault(label, []).append(r["method"])
+            said = "; ".join(f"{label}: {', '.join(sorted(m))}"
+                             for label, m in sorted(groups.items()))
+            parts.append(f"{outcome} vs {rows[0]['baseline']}: {said}")
+        binds = sorted(c["method"] for c in cells if (c["masked_frac_end"] or 0) >= BINDS)
+        collapsed = sorted(f"{c['method']} {c['collapsed']}/{len(c['seeds'])}" for c in cells
+                           if c["collapsed"])
+        parts.append("masked fraction at the end >= "
+                     f"{BINDS:g}: {', '.join(binds) if binds else 'no method'}")
+        parts.append(f"collapsed: {', '.join(collapsed) if collapsed else 'no run'}")
+        out.append(f"- **{setting}**: " + ". ".join(parts) + ".")
+    return out
+
+
+BINDS = 0.01  # "the trust region bound": at least 1% of tokens masked at the end of the run
 
 
 GREEDY = "greedy held-out accuracy"

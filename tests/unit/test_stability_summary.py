@@ -122,3 +122,29 @@ def test_stability_plot_has_the_greedy_panel_only_with_mid_run_evaluations(tmp_p
     srep.plot([dict(rec, greedy_by_iteration={"0": 0.2, "1": 0.25, "2": 0.2, "3": 0.3})],
               str(tmp_path / "b.png"))
     assert "base: " + srep.GREEDY in titles
+
+
+def test_in_words_says_what_the_tables_say():
+    from megatron_pdm.stability import report
+
+    cell = {"setting": "epochs16", "seeds": [1, 2, 3], "collapsed": 0, "masked_frac_end": 0.0}
+    result = {
+        "outcomes": ["greedy_acc_after_rl"],
+        "cells": [{**cell, "method": "no-trust-region", "collapsed": 2},
+                  {**cell, "method": "pdm-agg", "masked_frac_end": 0.2},
+                  {**cell, "method": "grpo-clip-higher", "masked_frac_end": 0.009},
+                  {**cell, "setting": "base", "method": "pdm-agg"}],
+        "comparisons": [
+            {"setting": "epochs16", "outcome": "greedy_acc_after_rl", "method": "pdm-agg",
+             "baseline": "no-trust-region", "verdict": "higher"},
+            {"setting": "epochs16", "outcome": "greedy_acc_after_rl",
+             "method": "grpo-clip-higher", "baseline": "no-trust-region",
+             "verdict": "no difference"}],
+    }
+    lines = report.in_words(result)
+    epochs16 = next(line for line in lines if "**epochs16**" in line)
+    assert "vs no-trust-region: higher: pdm-agg; no difference: grpo-clip-higher" in epochs16
+    assert ">= 0.01: pdm-agg." in epochs16  # 0.009 is below the line
+    assert "collapsed: no-trust-region 2/3." in epochs16
+    base = next(line for line in lines if "**base**" in line)
+    assert "no method" in base and "collapsed: no run" in base
