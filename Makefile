@@ -143,9 +143,10 @@ real-learn: real-model vllm-venv
 		--out results/real_learning
 
 # make results-docs (or its older name, make study-report): every generated block of README.md,
-# docs/mask-study.md and docs/main-job.md rewritten from the committed results it names
-# (results/mask_study/*/results.json, results/main_job/; megatron_pdm/analysis/doc_blocks.py).
-RESULTS_DOCS := README.md docs/mask-study.md docs/main-job.md
+# docs/mask-study.md, docs/main-job.md and docs/stability.md rewritten from the committed results
+# it names (results/mask_study/*/results.json, results/main_job/, results/stability/*/results.json;
+# megatron_pdm/analysis/doc_blocks.py, megatron_pdm/stability/doc.py).
+RESULTS_DOCS := README.md docs/mask-study.md docs/main-job.md docs/stability.md
 results-docs study-report: $(STAMP)
 	$(VPY) -m megatron_pdm.tools.study_report --update-doc $(RESULTS_DOCS)
 

@@ -5,14 +5,16 @@
     megatron-pdm-study-report --store-run runs/tiny_cpu --out results/main_job/NAME \\
         --command "make demo SEED=1 THREADS=1" [--note "load 2-4"]
         a `make demo` run's summary.json and a run.json (command, commit, date) for the repository
-    megatron-pdm-study-report --update-doc README.md docs/mask-study.md docs/main-job.md
+    megatron-pdm-study-report --update-doc README.md docs/mask-study.md docs/main-job.md \
+        docs/stability.md
         rewrites every generated block of the docs (`<!-- KIND PATH -->` ... `<!-- /KIND -->`)
         from the committed file PATH names (`make results-docs`)
     megatron-pdm-study-report --check DOC ...
         exit status 1 when a block differs from what --update-doc would write
 
-The libraries are megatron_pdm/analysis/stored.py, main_job.py and doc_blocks.py; this file only
-parses the flags.
+The libraries are megatron_pdm/analysis/stored.py, main_job.py and doc_blocks.py, and
+megatron_pdm/stability/doc.py for the stability blocks (KINDS below: both sets of block kinds);
+this file only parses the flags.
 """
 
 from __future__ import annotations
@@ -41,6 +43,15 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def kinds() -> dict:
+    """Every generated block kind: the analysis ones (doc_blocks.KINDS) and the stability grid's
+    (megatron_pdm/stability/doc.py), registered here, where both layers may be imported."""
+    from megatron_pdm.analysis import doc_blocks
+    from megatron_pdm.stability import doc as stability_doc
+
+    return {**doc_blocks.KINDS, **stability_doc.KINDS}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     from megatron_pdm.analysis import doc_blocks, main_job, stored
@@ -58,12 +69,12 @@ def main(argv=None) -> int:
         return 0
     if args.update_doc:
         for doc in args.update_doc:
-            n = doc_blocks.update(doc, args.root)
+            n = doc_blocks.update(doc, args.root, kinds())
             print(f"{doc}: {n} block(s) regenerated")
         return 0
     status = 0
     for doc in args.check:
-        for block in doc_blocks.check(doc, args.root):
+        for block in doc_blocks.check(doc, args.root, kinds()):
             print(f"{doc}: the block `{block}` differs from what --update-doc generates")
             status = 1
     return status

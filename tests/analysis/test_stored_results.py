@@ -12,12 +12,14 @@ from megatron_pdm.analysis import doc_blocks, main_job, stored
 from megatron_pdm.analysis.controls import build_controls
 from megatron_pdm.analysis.power import pilot_sd
 from megatron_pdm.analysis.counting import count_seed
+from megatron_pdm.tools import study_report
 from tests.analysis.test_controls import _criteria, _study, _tables
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "mask-study.md"
 # the docs whose results blocks are generated (Makefile RESULTS_DOCS, `make results-docs`)
-DOCS = ["README.md", "docs/mask-study.md", "docs/main-job.md"]
+DOCS = ["README.md", "docs/mask-study.md", "docs/main-job.md", "docs/stability.md"]
+KINDS = study_report.kinds()  # the analysis kinds and the stability grid's
 
 
 def test_makefile_regenerates_exactly_these_docs():
@@ -29,13 +31,13 @@ def test_makefile_regenerates_exactly_these_docs():
 @pytest.mark.parametrize("doc", DOCS)
 def test_the_docs_blocks_are_what_the_command_generates_from_the_committed_files(doc):
     text = (ROOT / doc).read_text()
-    blocks = [m for m in doc_blocks.BLOCK.finditer(text) if m.group(2) in doc_blocks.KINDS]
+    blocks = [m for m in doc_blocks.BLOCK.finditer(text) if m.group(2) in KINDS]
     assert blocks, f"{doc} has no generated results block"
     for m in blocks:
         path = m.group(3)
         assert (ROOT / path).exists(), f"{path}: named by {doc}, not committed"
-        assert path.startswith(("results/mask_study/", "results/main_job"))
-    assert doc_blocks.check(str(ROOT / doc), str(ROOT)) == []
+        assert path.startswith(("results/mask_study/", "results/main_job", "results/stability/"))
+    assert doc_blocks.check(str(ROOT / doc), str(ROOT), KINDS) == []
 
 
 def test_mask_study_page_shows_every_stored_study():
@@ -50,13 +52,13 @@ def test_mask_study_page_shows_every_stored_study():
 def test_a_changed_number_is_caught(tmp_path, doc):
     target = tmp_path / "doc.md"
     text = (ROOT / doc).read_text()
-    mt = next(m for m in doc_blocks.BLOCK.finditer(text) if m.group(2) in doc_blocks.KINDS)
+    mt = next(m for m in doc_blocks.BLOCK.finditer(text) if m.group(2) in KINDS)
     body = mt.group(4)
     i = next(k for k, ch in enumerate(body) if ch.isdigit())
     changed = body[:i] + str((int(body[i]) + 1) % 10) + body[i + 1:]
     target.write_text(text.replace(mt.group(0), mt.group(0).replace(body, changed, 1), 1))
-    assert doc_blocks.check(str(target), str(ROOT)) == [f"{mt.group(2)} {mt.group(3)}"]
-    doc_blocks.update(str(target), str(ROOT))
+    assert doc_blocks.check(str(target), str(ROOT), KINDS) == [f"{mt.group(2)} {mt.group(3)}"]
+    doc_blocks.update(str(target), str(ROOT), KINDS)
     assert target.read_text() == text
 
 
