@@ -18,7 +18,7 @@ import json
 import math
 from statistics import stdev
 
-from megatron_pdm.stability.report import in_words
+from megatron_pdm.stability.report import in_words, masked_total
 
 
 def _load(path: str) -> dict:
@@ -60,14 +60,15 @@ def pivot(path: str, label: str = "") -> str:
     `after (masked fraction at the end) cN` with N the collapsed seeds."""
     r = _load(path)
     methods, out = _methods(r), []
-    out.append(f"Greedy held-out accuracy after RL, seed mean (masked fraction at the end; cN: N "
-               f"seeds collapsed). {_header(r)}; from `{label or path}`.\n")
+    out.append(f"Greedy held-out accuracy after RL, seed mean (fraction of tokens masked at the "
+               f"end, by the trust region or by a correction's rejection; cN: N seeds collapsed)."
+               f" {_header(r)}; from `{label or path}`.\n")
     out.append("| setting | before | " + " | ".join(methods) + " |")
     out.append("|---|---|" + "---|" * len(methods))
     for s in _settings(r):
         cells = [_cell(r, s, m) for m in methods]
         before = next((c["greedy_acc_before_rl"] for c in cells if c), float("nan"))
-        row = [f"{_f(c['greedy_acc_after_rl'])} ({_f(c['masked_frac_end'])})"
+        row = [f"{_f(c['greedy_acc_after_rl'])} ({_f(masked_total(c))})"
                + (f" c{c['collapsed']}" if c["collapsed"] else "") if c else "-"
                for c in cells]
         out.append(f"| {s} | {_f(before)} | " + " | ".join(row) + " |")
@@ -89,7 +90,7 @@ def methods_table(path: str, label: str = "") -> str:
                 continue
             out.append(f"| {s} | {m} | {_f(c['greedy_acc_before_rl'])} -> "
                        f"{_f(c['greedy_acc_after_rl'])} | {c['collapsed']}/{len(c['seeds'])} | "
-                       f"{_f(c['masked_frac_end'])} | {_f(c['sampled_kl_end'], 5)} | "
+                       f"{_f(masked_total(c))} | {_f(c['sampled_kl_end'], 5)} | "
                        f"{_f(c['reward_end'])} |")
     return "\n".join(out) + "\n"
 

@@ -29,7 +29,9 @@ def cell_table(records: list[dict]) -> list[dict]:
                "measured_staleness_max": max(r["measured"]["staleness_max"] for r in rs),
                "measured_steps_per_batch": max(r["measured"]["steps_per_batch"] for r in rs)}
         for name in ("greedy_acc_before_rl", *S.END_OUTCOMES):
-            vals = [r["end"][name] for r in rs if math.isfinite(r["end"][name])]
+            # .get: records written before an outcome existed (rebuild them: --rerecord)
+            vals = [r["end"].get(name, float("nan")) for r in rs
+                    if math.isfinite(r["end"].get(name, float("nan")))]
             row[name] = fmean(vals) if vals else float("nan")
             row[name + "_sd"] = stdev(vals) if len(vals) > 1 else float("nan")
         rows.append(row)
@@ -63,15 +65,16 @@ def markdown(result: dict) -> str:
              f"{result['machine']['threads']}, {result['machine']['cpus']} CPUs  ",
              f"Collapse rule: {result['collapse_rule']}\n",
              "| setting | method | seeds | greedy acc before -> after RL (sd) | reward end | "
-             "sampled KL end | masked frac end | entropy end | grad norm end | collapsed | "
-             "staleness max | steps/batch |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "sampled KL end | masked frac end | IS-masked frac end | entropy end | grad norm end "
+             "| collapsed | staleness max | steps/batch |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in result["cells"]:
         lines.append(
             f"| {c['setting']} | {c['method']} | {len(c['seeds'])} | "
             f"{_fmt(c['greedy_acc_before_rl'])} -> {_fmt(c['greedy_acc_after_rl'])} "
             f"({_fmt(c['greedy_acc_after_rl_sd'])}) | {_fmt(c['reward_end'])} | "
             f"{_fmt(c['sampled_kl_end'], 5)} | {_fmt(c['masked_frac_end'], 4)} | "
+            f"{_fmt(c.get('is_masked_frac_end', float('nan')), 4)} | "
             f"{_fmt(c['entropy_end'])} | {_fmt(c['grad_norm_end'])} | "
             f"{c['collapsed']}/{len(c['seeds'])} | {_fmt(c['measured_staleness_max'], 0)} | "
             f"{_fmt(c['measured_steps_per_batch'], 0)} |")
@@ -98,7 +101,9 @@ def in_words(result: dict) -> list[str]:
     trust region bound (masked fraction at the end >= BINDS) and which runs collapsed. Written
     from the same result, so it says nothing the tables do not."""
     out = ["## In words (generated from the tables above)", ""]
-    settings = list(dict.fromkeys(c["setting"] for c in result["cells"]))
+    have = list(dict.fromkeys(c["setting"] for c in result["cells"]))
+    order = result.get("grid", {}).get("settings") or have  # the grid's order where it says one
+    settings = [s for s in order if s in have] + [s for s in have if s not in order]
     for setting in settings:
         cells = [c for c in result["cells"] if c["setting"] == setting]
         parts = []
@@ -114,10 +119,10 @@ def in_words(result: dict) -> list[str]:
             said = "; ".join(f"{label}: {', '.join(sorted(m))}"
                              for label, m in sorted(groups.items()))
             parts.append(f"{outcome} vs {rows[0]['baseline']}: {said}")
-        binds = sorted(c["method"] for c in cells if (c["masked_frac_end"] or 0) >= BINDS)
+        binds = sorted(c["method"] for c in cells if masked_total(c) >= BINDS)
         collapsed = sorted(f"{c['method']} {c['collapsed']}/{len(c['seeds'])}" for c in cells
                            if c["collapsed"])
-        parts.append("masked fraction at the end >= "
+        parts.append("masked fraction at the end (trust region or correction) >= "
                      f"{BINDS:g}: {', '.join(binds) if binds else 'no method'}")
         parts.append(f"collapsed: {', '.join(collapsed) if collapsed else 'no run'}")
         out.append(f"- **{setting}**: " + ". ".join(parts) + ".")
@@ -125,6 +130,15 @@ def in_words(result: dict) -> list[str]:
 
 
 BINDS = 0.01  # "the trust region bound": at least 1% of tokens masked at the end of the run
+
+
+def masked_total(cell: dict) -> float:
+    """Tokens masked at the end by the trust region plus those a correction preset dropped
+    (icepop, geo-rs); a preset uses one or the other. Cells from before the correction's
+    fraction was recorded count the trust region's alone."""
+    extra = cell.get("is_masked_frac_end", float("nan"))
+    base = cell["masked_frac_end"]
+    return (base if math.isfinite(base) else 0.0) + (extra if math.isfinite(extra) else 0.0)
 
 
 GREEDY = "greedy held-out accuracy"

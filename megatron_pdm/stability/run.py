@@ -102,6 +102,34 @@ def run_grid(grid: Grid, *, config: str, out: str, warmup_overrides: list[str], 
     return read_records(out)
 
 
+def rerecord(out: str, log=print) -> int:
+    """Rebuilds every record of `out`/records.jsonl from its run's files (runs/<cell>/: metrics,
+    summary), keeping its wall time: a record schema that gained an outcome needs no rerun. The
+    previous file is kept beside it (records.jsonl.before-rerecord); a record whose run folder
+    is gone stays as it was. Returns the number of records rebuilt."""
+    path = os.path.join(out, RECORDS)
+    old = read_records(out)
+    new, rebuilt = [], 0
+    for rec in old:
+        cell = Cell(rec["method"], rec["setting"], int(rec["seed"]))
+        run_dir = os.path.join(out, "runs", cell.name)
+        if os.path.exists(os.path.join(run_dir, "summary.json")):
+            new.append(S.run_record(run_dir, cell, wall_s=rec["wall_s"]))
+            rebuilt += 1
+        else:
+            log(f"stability: {cell.name}: no run folder, its record kept as it was")
+            new.append(rec)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        for rec in new:
+            f.write(json.dumps(rec, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path, path + ".before-rerecord")
+    os.replace(tmp, path)
+    return rebuilt
+
+
 def in_grid_order(grid: Grid, records: list[dict]) -> list[dict]:
     """The grid's records in its cell order (records.jsonl is in finishing order with jobs > 1),
     so the written results do not depend on which cell finished first."""
@@ -110,4 +138,4 @@ def in_grid_order(grid: Grid, records: list[dict]) -> list[dict]:
 
 
 __all__ = ["Cell", "RECORDS", "append_record", "default_jobs", "in_grid_order", "read_records",
-           "run_grid"]
+           "rerecord", "run_grid"]

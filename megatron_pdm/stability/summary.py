@@ -28,13 +28,15 @@ CURVES = {
     "sampled_kl_first_step": (M.SAMPLED_KL, "first"),
     "sampled_kl": (M.SAMPLED_KL, "mean"),
     "masked_frac": (M.MASKED_FRAC, "mean"),
+    # tokens a correction preset drops (icepop's token mask, geo-rs's sequence rejection)
+    "is_masked_frac": (M.OFFPOLICY_MASKED_FRAC, "mean"),
     "entropy": (M.ENTROPY_SAMPLED, "last"),
     "grad_norm": (M.GRAD_NORM, "mean"),
     "staleness": (M.STALENESS, "last"),
     "steps_per_batch": (M.STEPS_THIS_BATCH, "max"),
 }
 END_OUTCOMES = ("greedy_acc_after_rl", "reward_end", "sampled_kl_end", "masked_frac_end",
-                "entropy_end", "grad_norm_end")
+                "is_masked_frac_end", "entropy_end", "grad_norm_end")
 
 
 def _num(v) -> float:
@@ -95,6 +97,7 @@ def run_record(run_dir: str, cell, *, wall_s: float) -> dict:
            "reward_end": _window_mean(c["reward"], True),
            "sampled_kl_end": _window_mean(c["sampled_kl_first_step"], True),
            "masked_frac_end": _window_mean(c["masked_frac"], True),
+           "is_masked_frac_end": _window_mean(c["is_masked_frac"], True),
            "entropy_end": _window_mean(c["entropy"], True),
            "grad_norm_end": _window_mean(c["grad_norm"], True)}
     return {"cell": cell.name, "method": cell.method, "setting": cell.setting, "seed": cell.seed,

@@ -52,10 +52,15 @@ def main(argv=None) -> int:
                         "settings with an engine server start one server per running cell)")
     p.add_argument("--report-only", action="store_true", help="rewrite the results from "
                    "records.jsonl without running anything")
+    p.add_argument("--rerecord", action="store_true", help="with --report-only: first rebuild "
+                   "records.jsonl from the run folders (runs/<cell>/), e.g. after the record "
+                   "gained an outcome; the previous file is kept as records.jsonl.before-rerecord")
     args = p.parse_args(argv)
     bad = [o for o in args.outcomes if o not in S.END_OUTCOMES]
     if bad:  # checked before any run: a typo must not cost the whole grid
         p.error(f"--outcomes: unknown {bad}; known: {', '.join(S.END_OUTCOMES)}")
+    if args.rerecord and not args.report_only:
+        p.error("--rerecord goes with --report-only (it rebuilds records, it runs nothing)")
     if args.jobs is not None and args.jobs < 1:
         p.error(f"--jobs must be >= 1, got {args.jobs}")
     if args.primary is not None and args.primary not in args.outcomes:
@@ -68,6 +73,8 @@ def main(argv=None) -> int:
     grid = G.Grid(args.methods, args.settings, args.seeds, sizes=sizes)
     warmup = G.SMOKE_WARMUP if args.smoke else []
     if args.report_only:
+        if args.rerecord:
+            print(f"stability: {run.rerecord(args.output_dir)} records rebuilt from their runs")
         records = run.read_records(args.output_dir)
     else:
         records = run.run_grid(grid, config=args.config, out=args.output_dir,

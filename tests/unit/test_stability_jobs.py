@@ -99,3 +99,24 @@ def test_jobs_checked_and_default_from_the_cores(monkeypatch):
     assert run.default_jobs(2, 1) == 1 and run.default_jobs(1, 2) == 1
     monkeypatch.setattr(run.os, "cpu_count", lambda: None)
     assert run.default_jobs(1, 1) == 1
+
+
+def test_rerecord_rebuilds_from_the_run_folders_and_keeps_the_old_file(tmp_path, monkeypatch):
+    grid = _grid(seeds=(1,))
+    cells = grid.cells()
+    for cell in cells:
+        run.append_record(str(tmp_path), {"cell": cell.name, "method": cell.method,
+                                          "setting": cell.setting, "seed": cell.seed,
+                                          "wall_s": 7.0, "end": {"old": 1}})
+    for cell in cells[:-1]:  # the last cell's run folder is gone
+        (tmp_path / "runs" / cell.name).mkdir(parents=True)
+        (tmp_path / "runs" / cell.name / "summary.json").write_text("{}")
+    monkeypatch.setattr(run.S, "run_record", lambda run_dir, cell, wall_s: {
+        "cell": cell.name, "wall_s": wall_s, "end": {"new": run_dir.endswith(cell.name)}})
+    before = (tmp_path / "records.jsonl").read_text()
+    assert run.rerecord(str(tmp_path), log=lambda *_: None) == len(cells) - 1
+    records = run.read_records(str(tmp_path))
+    assert [r["cell"] for r in records] == [c.name for c in cells]
+    assert all(r["end"] == {"new": True} and r["wall_s"] == 7.0 for r in records[:-1])
+    assert records[-1]["end"] == {"old": 1}
+    assert (tmp_path / "records.jsonl.before-rerecord").read_text() == before
