@@ -61,8 +61,10 @@ def write(out: str, records: list[dict], *, command: str, grid: dict, baseline: 
 
 def markdown(result: dict) -> str:
     lines = [f"# Stability grid results\n", f"Command: `{result['command']}`  ",
-             f"Machine: {result['machine']['cpu']}, OMP_NUM_THREADS="
-             f"{result['machine']['threads']}, {result['machine']['cpus']} CPUs  ",
+             f"Machine (of this report): {result['machine']['cpu']}"
+             f"{', ' + result['machine']['cpu_id'] if result['machine'].get('cpu_id') else ''}, "
+             f"OMP_NUM_THREADS={result['machine']['threads']}, {result['machine']['cpus']} CPUs"
+             f"{machines(result['runs'])}  ",
              f"Collapse rule: {result['collapse_rule']}\n",
              "| setting | method | seeds | greedy acc before -> after RL (sd) | reward end | "
              "sampled KL end | masked frac end | IS-masked frac end | entropy end | grad norm end "
@@ -93,6 +95,17 @@ def markdown(result: dict) -> str:
                      f"{_fmt(r['p_holm'])} | {r['verdict']} |")
     lines += ["", *in_words(result)]
     return "\n".join(lines) + "\n"
+
+
+def machines(runs: list[dict]) -> str:
+    """'; runs on: <cpu, id, ISA> (n)' from the records that carry where they ran."""
+    seen: dict[str, int] = {}
+    for r in runs:
+        m = r.get("machine") or {}
+        if m:
+            key = ", ".join(str(m[k]) for k in ("cpu_model", "cpu_id", "kernel_isa") if k in m)
+            seen[key] = seen.get(key, 0) + 1
+    return ("; runs on: " + "; ".join(f"{k} ({n})" for k, n in seen.items())) if seen else ""
 
 
 def in_words(result: dict) -> list[str]:
