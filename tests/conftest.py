@@ -2,10 +2,24 @@
 
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+_ROOT = Path(__file__).resolve().parents[1]
+# the repository (the package without an editable install; `tests.support...`) and the shared
+# helpers (tests/support: the fake servers and their parts, imported by their file names as the
+# helper processes started from there do)
+for _p in (str(_ROOT), str(_ROOT / "tests" / "support")):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+# Session-wide harnesses, each with its marker and fixtures: the real vLLM server (marker vllm,
+# fixture vllm_server), the sglang API boxes (marker sglang_api, fixtures version/box/report),
+# the verl env (marker verl).
+pytest_plugins = ["tests.support.vllm_server", "tests.support.sglang_api", "tests.support.verl_env"]
 
 
 def pytest_configure(config):

@@ -31,7 +31,7 @@ import pytest
 
 from megatron_pdm.analysis.seed_log import read_partial
 from megatron_pdm.netutil import LOCAL_TORCHRUN
-from tests.e2e._launch import ROOT, launch
+from tests.support._launch import ROOT, launch
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 

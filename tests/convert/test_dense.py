@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_pdm.convert.tiny import make_tiny_dense_hf
-from tests._dist import run_gloo
+from tests.support._dist import run_gloo
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 FAMILIES = ("llama", "qwen3")

@@ -17,7 +17,7 @@ import re
 import pytest
 import torch
 
-from tests._dist import run_gloo
+from tests.support._dist import run_gloo
 
 
 def _worker(rank, world, hf_dir, out_dir):

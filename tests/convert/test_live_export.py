@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_pdm.convert.live import canonical_local_name
-from tests._dist import run_gloo
+from tests.support._dist import run_gloo
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 

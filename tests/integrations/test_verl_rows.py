@@ -16,7 +16,7 @@ import megatron_pdm as pdm
 from megatron_pdm.integrations import verl_rows
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "support"))
 from _dist import run_gloo  # noqa: E402
 
 

@@ -28,7 +28,7 @@ import pathlib
 import pytest
 import torch
 
-from tests._dist import run_gloo
+from tests.support._dist import run_gloo
 
 TINY = str(pathlib.Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu" / "config.yaml")
 
@@ -100,7 +100,7 @@ def _worker(rank, world, out, gpu_init, distributed_optimizer, tp):
     from megatron_pdm.train import schedule
     from megatron_pdm.train import trainer as trainer_mod
     from megatron_pdm.train.logging_utils import MetricsWriter
-    from tests._device_trace import DeviceTrace
+    from tests.support._device_trace import DeviceTrace
 
     apply_cpu_shim()
     if gpu_init:  # what transformer_config chooses on a GPU
@@ -136,7 +136,7 @@ def _unplaced_worker(rank, world, out):
     from megatron_pdm.mcore.cpu_shim import apply_cpu_shim
     from megatron_pdm.train.rollout import factory as rollout_mod
     from megatron_pdm.train import trainer as trainer_mod
-    from tests._device_trace import DeviceTrace
+    from tests.support._device_trace import DeviceTrace
 
     apply_cpu_shim()
     trainer_mod.place = rollout_mod.place = lambda module: module  # the driver before the fix

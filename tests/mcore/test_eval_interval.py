@@ -18,7 +18,7 @@ import pathlib
 
 import pytest
 
-from tests._dist import run_gloo
+from tests.support._dist import run_gloo
 
 TINY = str(pathlib.Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu" / "config.yaml")
 ITERATIONS = 3

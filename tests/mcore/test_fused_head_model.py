@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import megatron_pdm as pdm
 from rollout_bridge.core.packing import pack_padded
 from rollout_bridge.core.types import RolloutBatch
-from tests._dist import run_gloo
+from tests.support._dist import run_gloo
 from tests.mcore.test_loss_adapter import K, V, _sample  # rollout samples over V = 11, K = 4
 
 H = 64

@@ -22,7 +22,7 @@ import megatron_pdm as pdm
 from megatron_pdm.mcore.loss_adapter import policy_loss_func, to_bsv
 from rollout_bridge.core.packing import pack_padded
 from rollout_bridge.core.types import RolloutBatch, RolloutSample
-from tests._dist import run_gloo
+from tests.support._dist import run_gloo
 
 V, V_PADDED, K = 11, 16, 4
 

@@ -20,7 +20,7 @@ import torch
 
 import megatron_pdm as pdm
 from megatron_pdm import metrics as M
-from tests._dist import run_gloo
+from tests.support._dist import run_gloo
 
 TINY = str(pathlib.Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu" / "config.yaml")
 
