@@ -22,7 +22,7 @@ from megatron_pdm.netutil import LOCAL_TORCHRUN
 from tests.support._launch import ROOT, launch
 from tests.support.vllm_common import vllm_overrides
 
-pytestmark = [pytest.mark.vllm, pytest.mark.megatron, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm_server, pytest.mark.megatron, pytest.mark.slow]
 
 SEEDS = 2
 DELTA = 1e-3
@@ -31,6 +31,7 @@ D_NOISE = 1e-6
 engine vs trainer log-probs: |diff| <= 1.1e-6, docs/rollouts.md, so D_K ~ 1e-12)."""
 
 
+@pytest.mark.gloo
 def test_study_takes_behaviour_from_vllm(vllm_server, tmp_path):
     run_dir, out = str(tmp_path / "run"), str(tmp_path / "study")
     launch(run_dir, ["train.iterations=2", "checkpoint.save_interval=0",

@@ -197,6 +197,7 @@ def _tp_worker(rank, world, out_dir):
         torch.save(rows, pathlib.Path(out_dir) / "tp2.pt")
 
 
+@pytest.mark.gloo
 def test_example_runs_and_tp2_equals_tp1(tmp_path):
     example = _example()
     tp1 = example.run(steps=2)
@@ -218,6 +219,7 @@ def _normalize_worker(rank, world, out_dir):
     torch.save((float(averaged), float(summed)), pathlib.Path(out_dir) / f"r{rank}.pt")
 
 
+@pytest.mark.gloo
 def test_normalize_loss_counts_over_the_data_parallel_group(tmp_path):
     run_gloo(_normalize_worker, 2, str(tmp_path))
     for rank in range(2):

@@ -13,6 +13,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 BLOCKER = """
@@ -62,6 +64,7 @@ def test_without_the_package_the_fake_really_needs_triton(tmp_path):
     assert proc.returncode != 0 and "No module named 'triton'" in proc.stderr, proc.stderr
 
 
+@pytest.mark.gloo
 def test_stub_present_in_a_gloo_worker_whose_module_imports_megatron_first(tmp_path):
     """tests._dist.run_gloo's spawned workers start bare: a worker function whose own module
     imports nothing of megatron_pdm and whose body imports megatron-core first still gets the stub

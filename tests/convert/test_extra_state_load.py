@@ -59,6 +59,7 @@ def _worker(rank, world, hf_dir, out_dir):
     assert not set_calls
 
 
+@pytest.mark.gloo
 @pytest.mark.megatron
 @pytest.mark.slow
 def test_converted_checkpoint_loads_into_a_model_with_extra_state(tiny_hf, tmp_path):

@@ -116,6 +116,7 @@ def _tp_worker(rank, world, out_dir):
     torch.save((float(loss), shard.grad), pathlib.Path(out_dir) / f"r{rank}.pt")
 
 
+@pytest.mark.gloo
 def test_slime_loss_at_tp2_equals_tp1(tmp_path):
     args, batch, base = _inputs()
     logits = base.clone().requires_grad_()

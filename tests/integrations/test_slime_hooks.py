@@ -246,6 +246,7 @@ def _tp_worker(rank, world_size, out_dir):
     torch.save((float(loss), shard.grad), pathlib.Path(out_dir) / f"r{rank}.pt")
 
 
+@pytest.mark.gloo
 def test_generate_convert_loss_at_tp2_equals_the_project_path(tmp_path):
     base, world = _world()
     logits = base.clone().requires_grad_()

@@ -99,6 +99,7 @@ def _tp_worker(rank, world, name):
         assert torch.allclose(got[key], want[key], rtol=1e-9, atol=1e-12), (rank, key)
 
 
+@pytest.mark.gloo
 @pytest.mark.slow
 def test_tp2_equals_the_op_on_gathered_logits():
     run_gloo(_tp_worker, 2, "pdm-agg")

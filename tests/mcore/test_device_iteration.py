@@ -147,6 +147,7 @@ def _unplaced_worker(rank, world, out):
     assert any("mixes device tensors with host" in v for v in trace.violations), trace.report()
 
 
+@pytest.mark.gloo
 @pytest.mark.megatron
 @pytest.mark.slow
 @pytest.mark.parametrize("gpu_init,distributed_optimizer,tp", [
@@ -156,6 +157,7 @@ def test_rl_iteration_stays_on_the_device(tmp_path, gpu_init, distributed_optimi
     run_gloo(_worker, tp, str(tmp_path / "run"), gpu_init, distributed_optimizer, tp)
 
 
+@pytest.mark.gloo
 @pytest.mark.megatron
 @pytest.mark.slow
 def test_unplaced_model_is_caught(tmp_path):

@@ -52,6 +52,7 @@ def _worker(rank, world, out):
         parallel_state.destroy_model_parallel()
 
 
+@pytest.mark.gloo
 @pytest.mark.megatron
 def test_failed_push_still_logs_the_last_step(tmp_path):
     out = str(tmp_path / "run")

@@ -172,11 +172,13 @@ def _compare_worker(rank, world, sp_flags):
             ps.destroy_model_parallel()
 
 
+@pytest.mark.gloo
 @pytest.mark.megatron
 def test_fused_head_equals_default_tp1():
     run_gloo(_compare_worker, 1, (False,))
 
 
+@pytest.mark.gloo
 @pytest.mark.megatron
 def test_fused_head_equals_default_tp2_sp_on_and_off():
     run_gloo(_compare_worker, 2, (True, False))

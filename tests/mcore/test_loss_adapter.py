@@ -223,6 +223,7 @@ def _tp_parity_worker(rank, world, ckpt_dir, out_path):
     del destroy_parallel
 
 
+@pytest.mark.gloo
 @pytest.mark.megatron
 def test_loss_tp2_equals_tp1_after_reshard(tmp_path):
     run_gloo(_tp_parity_worker, 2, str(tmp_path / "ckpt"), str(tmp_path / "res.pt"))

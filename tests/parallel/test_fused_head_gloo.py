@@ -64,6 +64,7 @@ def _worker(rank, world):
     _check(rank, world, 23, 0, 1001, 1008, 4)
 
 
+@pytest.mark.gloo
 @pytest.mark.parametrize("world", [2, 4])
 def test_fused_head_matches_unfused_on_gloo(world):
     run_gloo(_worker, world)

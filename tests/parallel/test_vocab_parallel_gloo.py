@@ -63,6 +63,7 @@ def _worker(rank, world):
             _check_case(rank, world, case, atol, inplace=True)
 
 
+@pytest.mark.gloo
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_tp_matches_single_device(world):

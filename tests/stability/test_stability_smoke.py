@@ -28,6 +28,7 @@ def _smoke(out: str) -> subprocess.CompletedProcess:
     return proc
 
 
+@pytest.mark.gloo
 def test_stability_smoke(tmp_path):
     out = str(tmp_path / "stab")
     _smoke(out)

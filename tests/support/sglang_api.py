@@ -1,5 +1,8 @@
 """Checks against the installed sglang packages (both supported versions), marker `sglang_api`.
 
+A plugin of tests/conftest.py: the marker and the session fixtures `version` (both versions),
+`box` (the running box) and `report` (its facts) serve a test in any folder.
+
 `make test` creates the API envs first (scripts/sglang_api_env.sh: sglang 0.5.22 and 0.5.23
 installed --no-deps on CPU, import stubs for triton/torchvision). For every version one
 `sglang_box.py` process is started as soon as collection finds these tests, so its start-up (the

@@ -12,6 +12,7 @@ def _fails_on_rank1(rank, world):
         raise RuntimeError("rank 1 failed on purpose")
 
 
+@pytest.mark.gloo
 @pytest.mark.slow
 def test_worker_exception_propagates():
     with pytest.raises(Exception, match="rank 1 failed on purpose"):

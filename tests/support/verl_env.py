@@ -1,5 +1,8 @@
 """Checks of megatron_pdm.integrations.verl against the real verl 0.9.1, marker `verl`.
 
+A plugin of tests/conftest.py: any test marked `verl` is skipped (or, under PDM_REQUIRE_VERL=1,
+fails the run) where the env is missing.
+
 `make test` builds the verl env first (scripts/verl_env.sh: verl 0.9.1 and the modules its loss
 code imports, exact pins, --no-deps, into .cache/verl-env/site on top of the project venv).
 The checks run in one subprocess with that PYTHONPATH (tests/integrations/verl_checks.py).

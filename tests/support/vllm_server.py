@@ -1,7 +1,10 @@
 """Real-vLLM tests: one vLLM OpenAI server process (the `.venv-vllm` made by
 scripts/setup_vllm_cpu.sh) shared by the session, serving the tiny CPU model.
 
-The server is launched as soon as collection finds `vllm`-marked tests, so its start-up (a
+A plugin of tests/conftest.py: the marker `vllm_server` and the session fixture of that name
+serve a test in any folder (a test asking for the fixture gets the marker).
+
+The server is launched as soon as collection finds `vllm_server`-marked tests, so its start-up (a
 minute or more on 2 cores: three processes importing vLLM) overlaps the rest of the suite; the
 `vllm_server` fixture waits for it. It binds 127.0.0.1 on a free port, runs in its own process
 group with a random API key in its environment, and is stopped (group SIGTERM, then SIGKILL; by
@@ -44,7 +47,8 @@ def venv_problem() -> str | None:
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "vllm: needs the real vLLM CPU server (.venv-vllm)")
+    config.addinivalue_line("markers", "vllm_server: needs the real vLLM CPU server (.venv-vllm, "
+                                       "fixture vllm_server)")
     config.addinivalue_line("markers", "kills_vllm_server: kills the session's vLLM server; "
                                        "ordered after every other test")
 
@@ -72,7 +76,7 @@ def pytest_collection_modifyitems(config, items):
     last = {id(i) for i in items if i.get_closest_marker("kills_vllm_server") is not None}
     if last:
         items[:] = [i for i in items if id(i) not in last] + [i for i in items if id(i) in last]
-    wanted = [i for i in items if i.get_closest_marker("vllm") is not None]
+    wanted = [i for i in items if i.get_closest_marker("vllm_server") is not None]
     if not wanted:
         return
     problem = venv_problem()

@@ -15,7 +15,7 @@ import pytest
 
 from tests.support.vllm_server import ROOT, venv_problem
 
-pytestmark = [pytest.mark.slow]
+pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 
 MODEL = ROOT / ".cache" / "real-model" / "smollm2-135m-instruct"
 TOL = 1e-3

@@ -34,6 +34,7 @@ def _compare(out: str, presets: list[str], seeds: list[int]) -> subprocess.Compl
     return proc
 
 
+@pytest.mark.gloo
 def test_compare_shares_one_warmup(tmp_path):
     from megatron_pdm.train.config import RunConfig
 

@@ -17,6 +17,7 @@ from tests.support._launch import launch
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 
 
+@pytest.mark.gloo
 def test_short_run_with_the_fused_head(tmp_path):
     out = str(tmp_path / "run")
     proc = launch(out, ["parallel.tp=2", "parallel.ep=1", "train.fused_head=true",

@@ -34,6 +34,7 @@ def _killed(out: str, spec: str, resume: bool) -> None:
     assert proc.returncode != 0, f"{spec}: the run was not killed\n{proc.stderr[-3000:]}"
 
 
+@pytest.mark.gloo
 def test_kill_at_every_save_phase_then_resume_reproduces_the_run(tmp_path):
     full, part = str(tmp_path / "full"), str(tmp_path / "part")
     launch(full, COMMON)

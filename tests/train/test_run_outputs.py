@@ -35,6 +35,7 @@ def outputs_run(tmp_path_factory):
     return out, proc
 
 
+@pytest.mark.gloo
 @pytest.mark.megatron
 @pytest.mark.slow
 def test_resolved_config_is_saved_and_loads_back(outputs_run):
@@ -51,6 +52,7 @@ def test_resolved_config_is_saved_and_loads_back(outputs_run):
         assert RunConfig.from_dict(yaml.safe_load(f)).to_dict() == cfg.to_dict()
 
 
+@pytest.mark.gloo
 @pytest.mark.megatron
 @pytest.mark.slow
 def test_evaluations_are_in_tensorboard(outputs_run):
@@ -68,6 +70,7 @@ def test_evaluations_are_in_tensorboard(outputs_run):
     assert os.path.exists(os.path.join(out, "plot.png"))
 
 
+@pytest.mark.gloo
 @pytest.mark.megatron
 @pytest.mark.slow
 def test_progress_suits_a_redirected_log(outputs_run):
@@ -116,6 +119,7 @@ def test_wandb_without_the_package_names_the_extra(tmp_path):
     assert "megatron-pdm[wandb]" in line, line
 
 
+@pytest.mark.gloo
 @pytest.mark.megatron
 @pytest.mark.slow
 def test_wandb_offline_run(tmp_path):

@@ -22,6 +22,7 @@ from tests.support._launch import launch
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 
 
+@pytest.mark.gloo
 def test_dense_tied_llama_trains_from_a_converted_checkpoint(tmp_path):
     from megatron_pdm.arch import ModelArch, format_arch
     from megatron_pdm.convert.hf_io import read_hf_config

@@ -34,6 +34,7 @@ def _rows(out):
         return [json.loads(line) for line in f]
 
 
+@pytest.mark.gloo
 @pytest.mark.parametrize("layout", [["parallel.tp=2", "parallel.ep=1"],
                                     ["parallel.tp=1", "parallel.ep=2"]], ids=["tp2", "ep2"])
 def test_short_run(tmp_path, layout):
@@ -73,6 +74,7 @@ def _kill_after_rows(out: str, overrides: list[str], rows: int, timeout: float =
         proc.wait(30)
 
 
+@pytest.mark.gloo
 def test_resume_after_a_kill_reproduces_uninterrupted_run(tmp_path):
     # the learning-rate warm-up spans every step: a resume must continue it, not restart it
     common = ["checkpoint.save_interval=2", "loss.preset=pdm-agg", "train.iterations=6",
@@ -97,6 +99,7 @@ def test_resume_after_a_kill_reproduces_uninterrupted_run(tmp_path):
         assert sa[key] == sb[key], key
 
 
+@pytest.mark.gloo
 def test_no_warmup_with_checkpoints_saves_and_resumes_at_iteration_0(tmp_path):
     """warmup.steps=0 with checkpoints on (the cluster example's combination): the iteration-0
     checkpoint is written before the first optimizer step (megatron's DistributedOptimizer

@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 import torch
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm_server, pytest.mark.slow]
 
 
 def _status(url: str, path: str, key: str | None, body: dict | None = None) -> int:

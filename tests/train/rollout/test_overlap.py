@@ -49,6 +49,7 @@ def _run(work, checkpoints, extra=(), out=None):
     return out, calls
 
 
+@pytest.mark.gloo
 def test_overlap_staleness_versions_and_exact_resume(tmp_path, converted):  # noqa: F811
     (tmp_path / "full").mkdir()
     full, calls = _run(tmp_path / "full", converted)

@@ -115,6 +115,7 @@ def tp2_run(tmp_path_factory, converted):
                 ["parallel.tp=2", "parallel.ep=1", "parallel.pp=1"])
 
 
+@pytest.mark.gloo
 def test_sglang_tp2_from_converted_checkpoint(tp2_run):
     rows, calls, work = tp2_run
     assert [r["step"] for r in rows] == list(range(1, 7))  # 3 iterations x 2 minibatches
@@ -140,6 +141,7 @@ def test_sglang_tp2_from_converted_checkpoint(tp2_run):
     assert os.path.exists(work / "sync" / "v3" / "config.json")
 
 
+@pytest.mark.gloo
 def test_sglang_pp2_matches_tp2(tmp_path, converted, tp2_run):
     rows_pp, _, _ = _run(tmp_path, "pp2", converted,
                          ["parallel.tp=1", "parallel.ep=1", "parallel.pp=2"])

@@ -89,6 +89,7 @@ def _jsonl(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
+@pytest.mark.gloo
 def test_every_push_reaches_both_servers_bit_exactly(run):
     pushes = _jsonl(os.path.join(run["out"], "weight_sync.jsonl"))
     assert len(pushes) >= 4  # before the first rollout + after each of 3 iterations
@@ -110,6 +111,7 @@ def test_every_push_reaches_both_servers_bit_exactly(run):
         assert names.count("end_weight_update") == len(pushes)
 
 
+@pytest.mark.gloo
 def test_rollouts_use_the_latest_version_and_both_servers(run):
     rows = _jsonl(os.path.join(run["out"], "metrics.jsonl"))
     pushes = _jsonl(os.path.join(run["out"], "weight_sync.jsonl"))
@@ -120,6 +122,7 @@ def test_rollouts_use_the_latest_version_and_both_servers(run):
     assert all(c > 0 for c in counts), counts
 
 
+@pytest.mark.gloo
 def test_api_key_sent_never_written_and_required(run):
     from rollout_bridge import EngineMismatchError, SGLangEngine
 

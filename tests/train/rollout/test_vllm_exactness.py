@@ -21,13 +21,14 @@ from megatron_pdm.netutil import LOCAL_TORCHRUN
 from tests.support._launch import CONFIG, ROOT
 from tests.support.vllm_common import vllm_overrides
 
-pytestmark = [pytest.mark.vllm, pytest.mark.megatron, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm_server, pytest.mark.megatron, pytest.mark.slow]
 
 TOL = 1e-4
 """Asserted bound on |engine logprob - trainer logprob| (fp32 both sides; measured ~1e-6, the
 margin covers other CPUs' kernels)."""
 
 
+@pytest.mark.gloo
 def test_engine_logprobs_equal_trainer_logprobs(vllm_server, tmp_path):
     out = tmp_path / "exactness.json"
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")

@@ -27,7 +27,7 @@ from tests.support.vllm_common import rows, trainer_process, vllm_overrides
 from tests.support.vllm_failure import check_no_lost_or_duplicated_sample, clear_server_failure
 from tests.support.vllm_server import START_TIMEOUT_S
 
-pytestmark = [pytest.mark.vllm, pytest.mark.kills_vllm_server, pytest.mark.megatron,
+pytestmark = [pytest.mark.vllm_server, pytest.mark.kills_vllm_server, pytest.mark.megatron,
               pytest.mark.slow]
 
 ITERATIONS = 6
@@ -64,6 +64,7 @@ def _finish(proc, timeout):
             proc.wait(30)
 
 
+@pytest.mark.gloo
 def test_server_restarted_mid_run_the_run_completes(vllm_server, tmp_path):
     out = str(tmp_path / "run")
     proc, log = _start(vllm_server, out, ["rollout.overlap=true",
@@ -90,6 +91,7 @@ def test_server_restarted_mid_run_the_run_completes(vllm_server, tmp_path):
     assert vllm_server.engine().weight_version() == str(ITERATIONS)
 
 
+@pytest.mark.gloo
 def test_server_killed_for_good_the_run_fails_clearly(vllm_server, tmp_path):
     out = str(tmp_path / "run")
     proc, log = _start(vllm_server, out, ["rollout.vllm.restart_wait_s=0",

@@ -13,7 +13,7 @@ import pytest
 
 from tests.support.vllm_common import first_rows, rows, run_trainer, vllm_overrides
 
-pytestmark = [pytest.mark.vllm, pytest.mark.megatron, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm_server, pytest.mark.megatron, pytest.mark.slow]
 
 ITERATIONS = 8
 PROMPTS, GROUP = 8, 8
@@ -21,6 +21,7 @@ ONPOLICY_TOL = 1e-5
 """Bound on the first minibatch's mean |log pi - log mu| (fp32 engine = trainer weights)."""
 
 
+@pytest.mark.gloo
 def test_rl_run_against_vllm(vllm_server, tmp_path):
     out = str(tmp_path / "run")
     run_trainer(vllm_server, out, vllm_overrides(vllm_server) + [
