@@ -163,7 +163,7 @@ def test_fp8_script_is_train_pdm_with_precision_fp8():
 
 def test_pdm_yaml_matches_driver_schema_and_arch():
     """pdm.yaml loads in the driver's schema; its architecture is not restated there but passed by
-    the scripts from megatron_pdm/arch.py (tests/e2e/test_driver_config.py checks the resolved
+    the scripts from megatron_pdm/arch.py (tests/train/test_driver_config.py checks the resolved
     model against the preset)."""
     config = pytest.importorskip("megatron_pdm.train.config")
     cfg = config.RunConfig.load(str(EXAMPLE / "pdm.yaml"))

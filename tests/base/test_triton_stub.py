@@ -66,7 +66,7 @@ def test_without_the_package_the_fake_really_needs_triton(tmp_path):
 
 @pytest.mark.gloo
 def test_stub_present_in_a_gloo_worker_whose_module_imports_megatron_first(tmp_path):
-    """tests._dist.run_gloo's spawned workers start bare: a worker function whose own module
+    """tests.support._dist.run_gloo's spawned workers start bare: a worker function whose own module
     imports nothing of megatron_pdm and whose body imports megatron-core first still gets the stub
     (run_gloo's worker imports the package before calling it). The blocker goes in as
     sitecustomize, so the spawned interpreter cannot import triton either."""

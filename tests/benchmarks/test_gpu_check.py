@@ -1,5 +1,5 @@
 """benchmarks/gpu_check.py at its real sizes on one GPU (skipped without CUDA; the CPU smoke
-mode of the same script runs in tests/unit/test_gpu_check_parts.py)."""
+mode of the same script runs in tests/benchmarks/test_gpu_check_parts.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """benchmarks/gpu_check.py in its CPU smoke mode: every part runs isolated, the JSON has each
 part's shape, and one failing part neither stops the others nor loses the JSON already written.
 
-The real check (CUDA sizes) runs in tests/gpu/test_gpu_check.py."""
+The real check (CUDA sizes) runs in tests/benchmarks/test_gpu_check.py."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 No slime is installed: `_Sample` below is the part of slime's `Sample` (slime/utils/types.py)
 the hooks use, its `append_response_tokens` filling the same fields for model tokens; the
 transport answers each request the hook builds with an SGLang-shaped body
-(tests/bridge/sglang_format.py, checked against the real sglang in tests/sglang_api), so a
+(tests/support/sglang_format.py, checked against the real sglang in the sglang_api tests), so a
 request without `top_logprobs_num` gets no top-K back. The batch is then built as slime's
 train side does (tensors per sample, `unconcat_tokens`, `total_lengths`) and the loss compared
 with the project's own path on the test's arrays (`fold_support_torch` + `token_stats` +

@@ -1,8 +1,8 @@
 """No tensor off the driver's device in a real RL iteration (stand-in CUDA device on CPU).
 
-`tests/_device_trace.py` makes `torch.cuda.current_device()` a device other than the host memory
-(tags by storage, CPU numerics) and records every op a GPU would refuse: a device tensor meeting
-a host one, a host tensor in a collective over an NCCL group, `.numpy()` of a device tensor.
+`tests/support/_device_trace.py` makes `torch.cuda.current_device()` a device other than the host
+memory (tags by storage, CPU numerics) and records every op a GPU would refuse: a device tensor
+meeting a host one, a host tensor in a collective over an NCCL group, `.numpy()` of a device tensor.
 Under it the driver's own code runs, in one gloo process (two for TP=2 with sequence
 parallelism), with the tiny CPU config:
 `Trainer(cfg)` (model, engine copy, DDP, megatron optimizer), one supervised warm-up step, the

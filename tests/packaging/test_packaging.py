@@ -123,5 +123,5 @@ def test_every_tool_is_a_console_command_and_a_module():
         assert scripts.get(command) == f"megatron_pdm.tools.{name}:{func}", command
         assert callable(getattr(importlib.import_module(f"megatron_pdm.tools.{name}"), func))
     # the code lives in megatron_pdm/tools/; top-level tools/ holds only thin scripts
-    # (tests/unit/test_tools_scripts.py checks them against CONSOLE_SCRIPTS)
+    # (tests/tools/test_tools_scripts.py checks them against CONSOLE_SCRIPTS)
     assert not (ROOT / "tools" / "__init__.py").exists(), "tools/ must not be a package"

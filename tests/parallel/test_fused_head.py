@@ -24,7 +24,8 @@ FIELDS = [f.name for f in dataclasses.fields(pdm.TokenStats)
 
 
 def _head_case(seed, n, vocab, k, *, padded=None, h=24, dtype=torch.float64):
-    """A support case (tests/_cases.py) with hidden states and a weight of the padded vocab."""
+    """A support case (tests/support/_cases.py) with hidden states and a weight of the padded
+    vocab."""
     case = make_case(seed, n, vocab, k, padded_vocab=padded)
     g = torch.Generator().manual_seed(seed + 100)
     hidden = (torch.randn(n, h, generator=g, dtype=torch.float64) * 0.7).to(dtype)
@@ -250,7 +251,7 @@ def test_minus_inf_logits_never_enter_the_sums():
 @pytest.mark.parametrize("tp", [1, 2])
 def test_without_validation_no_host_sync(dtype, tp, monkeypatch):
     """validate=False: forward and backward read no tensor data on the host (the detector of
-    tests/unit/test_no_host_sync.py, which also sees aten ops inside backward)."""
+    tests/ops/test_no_host_sync.py, which also sees aten ops inside backward)."""
     from tests.ops.test_no_host_sync import _count_syncs
 
     group = None

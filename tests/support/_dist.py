@@ -42,7 +42,7 @@ def _worker(rank: int, world_size: int, port: int, fn, args) -> None:
         # every rank done with every collective before any rank tears its group down: a rank
         # that destroyed its gloo group (and exited) while a peer still finished the last
         # exchange aborted once in a fresh-clone run ("terminate called without an active
-        # exception", SIGABRT, tests/unit/test_own_loop.py). Not after an exception: the failed
+        # exception", SIGABRT, tests/base/test_own_loop.py). Not after an exception: the failed
         # rank's exit ends the others (torch.multiprocessing terminates them), and a barrier
         # broken by a peer that failed is not this rank's error: the peer's own error is the
         # one the test must see (raising here could be reported first).

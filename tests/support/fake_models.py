@@ -1,6 +1,6 @@
 """The fake SGLang server's models: loading pushed (name, tensor) pairs the way SGLang's
 `model.load_weights` gets them, and the HF-backed engine that reloads an HF directory on
-/update_weights_from_disk like a real server (used by tests/bridge/fake_sglang.py)."""
+/update_weights_from_disk like a real server (used by tests/support/fake_sglang.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Start the fake SGLang server (tests/bridge/fake_sglang_cli.py) as its own process (127.0.0.1, free port), stop it by PID.
+"""Start the fake SGLang server (tests/support/fake_sglang_cli.py) as its own process (127.0.0.1,
+free port), stop it by PID.
 
 Used where the server must be another process: a weight-update group needs one process per rank
 (torch registers process groups by name per process), and the driver tests run the trainer under

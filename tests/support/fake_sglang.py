@@ -2,15 +2,15 @@
 
 What: aiohttp app on 127.0.0.1 (free port) in a background thread, serving exactly the routes
 our client uses (`rollout_bridge.sglang.http.ROUTES`, each checked to exist in the installed
-sglang 0.5.22/0.5.23 by tests/sglang_api) plus `/get_model_info`; anything else is 404
+sglang 0.5.22/0.5.23 by the sglang_api tests) plus `/get_model_info`; anything else is 404
 `{"detail": "Not Found"}` like SGLang's FastAPI app (so `/get_weight_version`, gone since
 0.5.21, is 404 here too). Nothing in it is written from memory:
   * response bodies are built by `sglang_format` (SGLang's formatting, compared against the
-    installed sglang's TokenizerManager by tests/sglang_api/test_formatting.py): `{"output_ids",
-    "meta_info"}` without "text"
-    (`--skip-tokenizer-init`), prompt-side rows starting with a null row at `logprob_start_len`;
+    installed sglang's TokenizerManager by tests/rollout_bridge/sglang/test_sglang_formatting.py):
+    `{"output_ids", "meta_info"}` without "text" (`--skip-tokenizer-init`), prompt-side rows
+    starting with a null row at `logprob_start_len`;
   * requests are checked by `sglang_rules` (the same table goes through the real handler in
-    tests/sglang_api): 400 with SGLang's three error shapes, 401 `{"error": "Unauthorized"}`
+    the sglang_api tests): 400 with SGLang's three error shapes, 401 `{"error": "Unauthorized"}`
     without the API key (every route but /health, /ready, /metrics), the weight-update session
     (update_weights_from_distributed / _tensor outside begin/end -> 400 `success: false`);
   * weights arrive over a real gloo/NCCL group (`sglang_receiver`: sglang's own WeightUpdater when
@@ -25,8 +25,8 @@ GPU.
 Faults: `server.fault_fn(body, call_no) -> Fault | None` is called for every /generate request.
 `parse_rid` recovers (prompt, sample, attempt) from the client's request ids.
 
-The answers to one item and the fault model: tests/bridge/fake_sglang_answers.py. The CLI that
-the driver tests start as a process: tests/bridge/fake_sglang_cli.py.
+The answers to one item and the fault model: tests/support/fake_sglang_answers.py. The CLI that
+the driver tests start as a process: tests/support/fake_sglang_cli.py.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""The answers of the fake SGLang server (tests/bridge/fake_sglang.py) to one /generate item:
+"""The answers of the fake SGLang server (tests/support/fake_sglang.py) to one /generate item:
 a sampled response (`generated`) or a prefill-only score (`scored`), and the faults a test can
 put into them (`Fault`, chosen per sample by `parse_rid` of the client's request id).
 
 Bodies are built by `sglang_format` (SGLang's own formatting, checked against the installed
-sglang by tests/sglang_api/test_formatting.py); the numbers come from the server's
+sglang by tests/rollout_bridge/sglang/test_sglang_formatting.py); the numbers come from the server's
 `LocalEngine`, under the server's lock.
 """
 

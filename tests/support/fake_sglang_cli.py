@@ -1,6 +1,6 @@
-"""The fake SGLang server (tests/bridge/fake_sglang.py) as its own process, for the driver tests.
+"""The fake SGLang server (tests/support/fake_sglang.py) as its own process, for the driver tests.
 
-`python tests/bridge/fake_sglang_cli.py --hf-dir DIR --port-file F [--log-file L]
+`python tests/support/fake_sglang_cli.py --hf-dir DIR --port-file F [--log-file L]
 [--api-key-env VAR] [--receiver auto|mirror|sglang]`. The log gets each call (but /generate) as
 one JSON line before the call is answered; the /generate count goes to L.generate every 0.2 s
 and when the server stops.
@@ -29,7 +29,8 @@ def main(argv=None) -> None:
 
     parser = argparse.ArgumentParser(description="fake SGLang server (HF model dir or TinyLM)")
     parser.add_argument("--hf-dir", default=None)
-    parser.add_argument("--tiny-lm", action="store_true", help="serve tests/bridge TinyLM")
+    parser.add_argument("--tiny-lm", action="store_true",
+                        help="serve tests/support/tiny_lm.py TinyLM")
     parser.add_argument("--port-file", required=True)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-file", default=None, help="append one JSON line per control call")

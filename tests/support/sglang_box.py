@@ -3,7 +3,7 @@ real scheduler-side weight-update manager and the real model-runner WeightUpdate
 GPU parts replaced. Run under an installed sglang API env (scripts/sglang_api_env.sh):
 
     PYTHONPATH=<repo>:$(cat .cache/sglang-api/0.5.23/pythonpath) .venv/bin/python \
-        tests/sglang_api/sglang_box.py --port-file F [--log-file L] [--api-key-env V]
+        tests/support/sglang_box.py --port-file F [--log-file L] [--api-key-env V]
 
 What is sglang's code (imported from the installed package, both supported versions):
   * `sglang.srt.entrypoints.http_server.app` (routes, request parsing into the io_struct
@@ -21,7 +21,7 @@ What is sglang's code (imported from the installed package, both supported versi
 
 What is replaced (no CUDA): the scheduler's batching and the model. `CpuScheduler`
 (sglang_box_scheduler.py) answers each
-tokenized generate request with tokens and log-probs from `LocalEngine` over tests/bridge's
+tokenized generate request with tokens and log-probs from `LocalEngine` over tests/support's
 TinyLM (output logprobs tempered, prompt rows untempered with a null row at logprob_start_len, as
 logprob_result_processor.py / logprob_processor.py do), and the "model" is TinyLM behind a
 `load_weights(named_tensors)` method. Each received-and-loaded state is logged with its digest.

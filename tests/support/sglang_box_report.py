@@ -1,8 +1,8 @@
-"""The sglang box's report (tests/sglang_api/sglang_box.py --report): facts about the installed
+"""The sglang box's report (tests/support/sglang_box.py --report): facts about the installed
 sglang - its routes, the fields of its sampling params, what its /generate handler's own checks
 say of our client's request bodies, the control requests' parse, authentication with a wrong
-key and the weight-update session - which tests/sglang_api/test_api.py judges against our
-client. Runs inside the sglang API env (every sglang import is local to its function).
+key and the weight-update session - which tests/rollout_bridge/sglang/test_sglang_api.py judges
+against our client. Runs inside the sglang API env (every sglang import is local to its function).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Request tables shared by the sglang_box report (run inside the sglang env) and the tests.
 
 Everything here is data plus our own client's body builders, so the same requests are judged by
-the installed sglang (tests/sglang_api/sglang_box.py --report) and by our side (the fake server's
+the installed sglang (tests/support/sglang_box.py --report) and by our side (the fake server's
 rules, the client's sampling guard).
 """
 

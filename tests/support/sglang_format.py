@@ -16,8 +16,9 @@ the `sglang` package; line numbers of 0.5.23):
   * prompt rows: the scheduler puts one null row at `logprob_start_len`
     (srt/managers/scheduler_components/logprob_result_processor.py:38/66/80).
 
-tests/sglang_api/test_formatting.py feeds the same arrays to the installed sglang's real
-TokenizerManager + HTTP handler and requires identical bodies (both supported versions).
+tests/rollout_bridge/sglang/test_sglang_formatting.py feeds the same arrays to the installed
+sglang's real TokenizerManager + HTTP handler and requires identical bodies (both supported
+versions).
 """
 
 from __future__ import annotations

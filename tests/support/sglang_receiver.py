@@ -3,15 +3,15 @@
 Two implementations of one interface (`init_group`, `receive`, `destroy`):
   * `SGLangReceiver`: sglang's own `WeightUpdater` (srt/model_executor/model_runner_components/
     weight_updater.py) - used whenever the installed sglang API env is on the path (the fake
-    server's `--receiver sglang`, tests/sglang_api, the e2e driver test when available);
+    server's `--receiver sglang`, the sglang_api tests, the e2e driver test when available);
   * `MirrorReceiver`: the same protocol restated with plain torch, for machines without the
     sglang env: group init as `init_custom_process_group` (utils/common.py:2859: TCP rendezvous,
     `PrefixStore(group_name)`, identity rank map, rank = rank_offset + tp_rank), default load
     format = one async broadcast per (name, dtype, shape) in order from rank 0, "flattened_bucket"
     = one uint8 broadcast of the tensors' bytes concatenated in order (weight_sync/
     tensor_bucket.py `FlattenedTensorBucket.empty`, which refuses unaligned offsets in 0.5.23).
-    tests/sglang_api/test_client_box.py runs both receivers in one sync from the trainer's
-    sender and requires bit-identical tensors.
+    tests/rollout_bridge/sglang/test_sglang_client_box.py runs both receivers in one sync from the
+    trainer's sender and requires bit-identical tensors.
 """
 
 from __future__ import annotations

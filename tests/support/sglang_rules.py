@@ -1,7 +1,7 @@
 """The request checks of SGLang's HTTP server, for the fake server (what a real one refuses).
 
 Each rule restates a check of sglang 0.5.22/0.5.23 (paths relative to `sglang`, 0.5.23 lines);
-tests/sglang_api/test_api.py runs the same table of requests through the installed
+tests/rollout_bridge/sglang/test_sglang_api.py runs the same table of requests through the installed
 sglang's real HTTP app and TokenizerManager and requires the same HTTP status and error shape
 from `check_generate` for every case:
   * shape "pydantic": the body does not parse into GenerateReqInput -> 400

@@ -1,4 +1,5 @@
-"""The stand-in CUDA device of tests/_device_trace.py refuses what CUDA refuses, accepts the rest."""
+"""The stand-in CUDA device of tests/support/_device_trace.py refuses what CUDA refuses, accepts the
+rest."""
 
 import torch
 

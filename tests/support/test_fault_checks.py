@@ -1,4 +1,4 @@
-"""The killed-server fault test's acceptance rule (tests/vllm/_failure.py), on the failures a
+"""The killed-server fault test's acceptance rule (tests/support/vllm_failure.py), on the failures a
 kill can produce: every clear one passes whichever call it hit, unclear ones are refused."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""torchrun worker of the on-policy exactness check (tests/vllm/test_2_exactness.py).
+"""torchrun worker of the on-policy exactness check (tests/train/rollout/test_vllm_exactness.py).
 
 Builds the driver's `Trainer` (rollout.engine=vllm, fp32 weights, fp32 server), pushes the live
 sharded weights to vLLM (`VLLMGlue.push`: gather -> safetensors -> /collective_rpc), draws a
@@ -8,7 +8,7 @@ batch there, and scores the same sequences with the Megatron model at this TP: p
 vocabulary. Then 3 optimizer steps change every weight, the new weights are pushed, and the
 check repeats (a reload of changed weights, MoE repack included). Rank 0 writes a JSON report.
 
-Usage: torchrun --nproc-per-node 2 tests/vllm/_exactness.py OUT.json --set k=v ...
+Usage: torchrun --nproc-per-node 2 tests/support/vllm_exactness.py OUT.json --set k=v ...
 """
 
 from __future__ import annotations

@@ -82,7 +82,8 @@ def test_task_prompts_streams_and_score(tokenizer_dir):
     train = task.problems(1, 0, 32)
     assert train == task.problems(1, 0, 32) != task.problems(1, 1, 32)
     assert all(0 <= i < EVAL_BASE for i in train)
-    evals = task.eval_problems(1, 3)      # held-out facts (train/heldout.py; tests/unit/test_heldout.py)
+    # held-out facts (train/heldout.py; tests/train/test_heldout.py)
+    evals = task.eval_problems(1, 3)
     assert evals == sorted(evals) and all(i >= EVAL_BASE and task.is_heldout(i) for i in evals)
     right = tok(f"so {answer}.")["input_ids"]
     wrong = tok(f"so {answer + 1}.")["input_ids"]

@@ -1,7 +1,7 @@
 """SGLangEngine against the fake SGLang HTTP server (real sockets on 127.0.0.1).
 
-The fake answers like sglang 0.5.22/0.5.23 (tests/bridge/fake_sglang.py: formats, validation,
-routes and session rules checked against the installed packages by tests/sglang_api). Checks:
+The fake answers like sglang 0.5.22/0.5.23 (tests/support/fake_sglang.py: formats, validation,
+routes and session rules checked against the installed packages by the sglang_api tests). Checks:
 response parsing end to end, the bookkeeping invariant under injected faults (every (prompt,
 sample) exactly once as a sample or a failure, errors naming the right sample), sampling-param
 refusals, startup checks, weight-sync order, sessions and versioning through /model_info, the

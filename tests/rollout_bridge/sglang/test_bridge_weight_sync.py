@@ -2,7 +2,7 @@
 
 Each server is its own process (a weight-update group has one process per rank) and receives
 with `sglang_receiver` (sglang's own WeightUpdater when the sglang API env is on its path, here
-the plain-torch restatement; tests/sglang_api runs the same pushes into the real WeightUpdater).
+the plain-torch restatement; the sglang_api tests runs the same pushes into the real WeightUpdater).
 One push reaches both servers inside one pause -> begin -> buckets -> end -> continue session,
 through several single-dtype buckets, in both load formats; every server then reports the
 version, and what each received equals what was sent, bit for bit (digests of the tensors as

@@ -1,10 +1,10 @@
 """Our client against the installed sglang's own code (both supported versions, marker sglang_api).
 
-The facts come from the box's report (tests/sglang_api/sglang_box.py, run inside the sglang env):
+The facts come from the box's report (tests/support/sglang_box.py, run inside the sglang env):
 the route table of sglang's real FastAPI app, every request body our client builds validated by
 sglang's own request classes and checks, the sampling-parameter table judged by sglang, and the
 /generate validation table answered by sglang's real HTTP handler. The fake server's rules
-(tests/bridge/sglang_rules.py) must answer that table exactly like the real handler.
+(tests/support/sglang_rules.py) must answer that table exactly like the real handler.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """`SGLangEngine` over HTTP against sglang's real HTTP app, TokenizerManager, API-key middleware,
-weight-update session and WeightUpdater (the box, tests/sglang_api/sglang_box.py), both versions.
+weight-update session and WeightUpdater (the box, tests/support/sglang_box.py), both versions.
 
 What the box cannot answer (no CUDA): real sampling (its CPU scheduler answers from a tiny
 LocalEngine) and /update_weights_from_disk (no model loader); everything else below is sglang's

@@ -1,4 +1,4 @@
-"""Response bodies: sglang's own TokenizerManager formatting vs the fake's (tests/bridge/
+"""Response bodies: sglang's own TokenizerManager formatting vs the fake's (tests/support/
 sglang_format.py), and our parsers on the real bodies (both versions, marker sglang_api).
 
 The box's report holds, per scenario, the request our client builds, the arrays the CPU scheduler

@@ -2,7 +2,7 @@
 
 Setup (once per module): a tiny random HF Qwen3-MoE (tests/convert/conftest.py), converted with
 megatron-pdm-convert-hf-to-megatron at TP=1 (vocab 1000 pads to 1024 at TP 1 and 2, so it loads at
-TP=2). For every run a fresh fake SGLang server (tests/bridge/fake_sglang.py, HF mode: a
+TP=2). For every run a fresh fake SGLang server (tests/support/fake_sglang.py, HF mode: a
 transformers Qwen3MoeForCausalLM from the HF dir, reloaded on /update_weights_from_disk, items
 seeded by (prompt, sample index)) is started in its own process.
 

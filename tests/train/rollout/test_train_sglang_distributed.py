@@ -2,9 +2,9 @@
 servers.
 
 Setup: an HF directory of the tiny run's architecture (random weights; the trainer pushes its own
-before the first rollout), served by two fake SGLang processes (tests/bridge/fake_sglang_cli.py, HF
+before the first rollout), served by two fake SGLang processes (tests/support/fake_sglang_cli.py, HF
 mode) that require an API key. Their receivers follow SGLang's receiving protocol
-(tests/bridge/sglang_receiver.py): server 0 runs sglang's own model-runner `WeightUpdater` when the
+(tests/support/sglang_receiver.py): server 0 runs sglang's own model-runner `WeightUpdater` when the
 sglang API env is installed (scripts/sglang_api_env.sh), else the plain-torch mirror; server 1
 always runs the mirror. Both load what they received into their model and log the sha256 digest of
 the tensors as received.

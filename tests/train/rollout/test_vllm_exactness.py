@@ -38,7 +38,8 @@ def test_engine_logprobs_equal_trainer_logprobs(vllm_server, tmp_path):
         "warmup.steps=3", "warmup.batch_size=16", "warmup.lr=0.01",
         f"output_dir={tmp_path / 'run'}"]
     cmd = [torchrun, "--nproc-per-node", "2", *LOCAL_TORCHRUN,
-           os.path.join(ROOT, "tests", "support", "vllm_exactness.py"), str(out), "--config", CONFIG]
+           os.path.join(ROOT, "tests", "support", "vllm_exactness.py"), str(out), "--config",
+           CONFIG]
     for item in overrides:
         cmd += ["--set", item]
     env = dict(os.environ, OMP_NUM_THREADS="1", **vllm_server.env(),
