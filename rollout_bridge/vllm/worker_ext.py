@@ -353,4 +353,3 @@ class VLLMWeightSyncExtension:
         if str(per_param).lower() in ("1", "true", "yes"):
             out["per_param"] = digests
         return out
-
