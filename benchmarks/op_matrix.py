@@ -22,8 +22,8 @@ a rerun skips the cells its output file already holds. Peak memory is measured a
     python benchmarks/op_matrix.py docs            # regenerates docs/op.md's op-matrix blocks
     python benchmarks/op_matrix.py check           # exit 1 if a block differs from its file
 
-The docs block is `<!-- op-matrix PATH -->` ... `<!-- /op-matrix -->`; tests/unit/
-test_op_matrix.py checks that it equals what `docs` writes from the committed file.
+The docs block is `<!-- op-matrix PATH -->` ... `<!-- /op-matrix -->`;
+tests/benchmarks/test_op_matrix.py checks that it equals what `docs` writes from the committed file.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ DTYPES = ("bf16", "fp32")
 THREADS = (1, 2)
 DIVISIBLE_BY = 128  # megatron's make_vocab_size_divisible_by default
 DOC = "docs/op.md"
-# the marker of that block, as tests/unit/test_op_matrix.py reads it
+# the marker of that block, as tests/benchmarks/test_op_matrix.py reads it
 BLOCK = re.compile(r"(<!-- op-matrix (\S+) -->\n)(.*?)(<!-- /op-matrix -->)", re.S)
 
 

@@ -19,7 +19,7 @@ vocab shard and how much of them is padding (None for both: one device, no paddi
 
 The names are resolved lazily (PEP 562): `import megatron_pdm.ops` loads the math layer only, not
 the parallel op or the loss. Modules inside the package import each other by module path, never
-through this face (tests/unit/test_import_boundaries.py).
+through this face (tests/repo/test_import_boundaries.py).
 """
 
 from __future__ import annotations

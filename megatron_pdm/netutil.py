@@ -5,7 +5,7 @@ bind (the SGLang weight-sync group, the vLLM server's HTTP port). The port is fr
 another process may take it before it is bound (the race of this idiom: it failed a test run
 with EADDRINUSE on a machine shared with other jobs). Where the binder can be handed port 0
 itself, that is done instead: torchrun's one-machine launches (LOCAL_TORCHRUN below), the
-converter's gloo spawn (convert/distributed.py) and the tests' (tests/_dist.py) bind their
+converter's gloo spawn (convert/distributed.py) and the tests' (tests/support/_dist.py) bind their
 rendezvous store on port 0 and hold it. Pure standard library: importing it loads no torch.
 """
 

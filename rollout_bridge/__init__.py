@@ -11,7 +11,7 @@ Public API (docs/rollouts.md)::
 
 Names resolve lazily (PEP 562), so `import rollout_bridge.core.types` does not load the HTTP client.
 The bridge depends on `megatron_pdm.ops.support` (the support contract) and nothing else of
-megatron_pdm; never on megatron (tests/unit/test_import_boundaries.py).
+megatron_pdm; never on megatron (tests/repo/test_import_boundaries.py).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 # Check megatron-pdm against the newest megatron-core release (Python >= 3.12 only) on a CPU machine.
 #
 #   scripts/check_mcore_latest.sh [PYTEST_PATHS_OR_ARGS...]
-#       default paths: tests/mcore tests/e2e tests/convert tests/distributed
+#       default paths (DEFAULT_PATHS): tests/mcore, tests/convert, the driver's torchrun runs and the
+#       gloo tests
 #
 # Builds (once; later runs reuse it) the venv .cache/py312-mcore019/ with
 #   - Python 3.12 (PY312=/path/to/python3.12, else python3.12 on PATH, else ~/.pyenv/versions/3.12*)
@@ -47,7 +48,14 @@ PYTEST_OPTS="${PYTEST_OPTS:--x -q}"
 WITH_TRITON="${WITH_TRITON:-1}"
 if [[ -z "${CONSTRAINTS+set}" && -f "$SRC/constraints/ci.txt" ]]; then CONSTRAINTS="$SRC/constraints/ci.txt"; fi
 CONSTRAINTS="${CONSTRAINTS:-}"
-DEFAULT_PATHS=(tests/mcore tests/e2e tests/convert tests/distributed)
+DEFAULT_PATHS=(tests/mcore tests/convert
+  tests/train/test_compare.py tests/train/test_driver_config.py tests/train/test_fused_head_e2e.py
+  tests/train/test_kill_at_save.py tests/train/test_run_outputs.py tests/train/test_train_dense.py
+  tests/train/test_train_e2e.py tests/train/rollout/test_overlap.py
+  tests/train/rollout/test_train_sglang.py tests/train/rollout/test_train_sglang_distributed.py
+  tests/stability/test_stability_smoke.py
+  tests/parallel/test_collective_budget.py tests/parallel/test_fused_head_gloo.py
+  tests/parallel/test_vocab_parallel_gloo.py tests/support/test_dist_helper.py)
 
 log() { printf '[check_mcore_latest] %s\n' "$*" >&2; }
 die() { log "ERROR: $*"; exit 1; }

@@ -6,7 +6,7 @@ Run:  python examples/own_loop/forward_step.py            (one process, TP 1)
 Needs only torch, numpy, pyyaml and megatron-pdm (no megatron-core). The "engine" is the same
 model sampling at `TEMPERATURE` and reporting the top-K logprobs of the tempered distribution,
 as SGLang / vLLM do; replace `generate` with your engine's call. docs/own-loop.md walks through
-`train_step`; tests/unit/test_own_loop.py runs this file at TP 1 and TP 2.
+`train_step`; tests/base/test_own_loop.py runs this file at TP 1 and TP 2.
 """
 
 from __future__ import annotations

@@ -120,7 +120,7 @@ RUN_ARGS=(
     "${ROLLOUT_ARGS[@]}" "${DATA_ARGS[@]}" "${LOSS_ARGS[@]}" "${MEMORY_ARGS[@]}"
 )
 # --print-args: the driver's arguments, one per line, then stop (before any GPU, NCCL, MASTER_ADDR
-# check, torchrun or dry-run): what tests/e2e/test_driver_config.py reads
+# check, torchrun or dry-run): what tests/train/test_driver_config.py reads
 for arg in "$@"; do
     if [[ "${arg}" == "--print-args" ]]; then
         printf '%s\n' "${RUN_ARGS[@]}"

@@ -11,7 +11,7 @@ Why: the simulation runs on fake *CPU* tensors (fake_sim.py's "device" note), so
 without `device=` in the loss path lands on the same device as everything else and passes.
 With the tags it fails the simulation as it would fail the GPU run.
 
-Tagging rules (tests/_device_trace.py's rules for real tensors, on fake storages):
+Tagging rules (tests/support/_device_trace.py's rules for real tensors, on fake storages):
 - `device="cuda"` / an int device in a torch call, `.cuda()`, `.to(cuda)` -> "device"; the copy
   of `.to`/`.cuda` gets a new storage (the CPU shim makes them no-ops, a real transfer copies);
   `.cpu()` / `.to("cpu")` / `device="cpu"` (the string) -> "host";

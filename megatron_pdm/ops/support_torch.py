@@ -3,7 +3,7 @@
 For a training loop that already holds the engine's top-K as tensors (its own rollouts, a
 framework's batch): no host round trip, no numpy. The layout, the int32 narrowing guard and the
 errors are those of `megatron_pdm.ops.support.fold_support` (docs/math.md §3.9); the result is
-identical, element for element (tests/unit/test_own_loop.py). `check_support` stays host-side
+identical, element for element (tests/base/test_own_loop.py). `check_support` stays host-side
 (`token_stats(validate=True)` runs it on the folded tensors).
 
 Host syncs: one, for the int32 guard on ids wider than int32 (none for int32 ids).

@@ -5,7 +5,7 @@
 never exist: they are computed one [token_chunk, vocab_chunk] chunk at a time, reduced, and
 dropped; backward recomputes each chunk and accumulates the gradients of the hidden states and
 of this rank's weight shard. Peak extra memory is one chunk (plus its fp32 working copy for
-bf16/fp16) and O(N * S) vectors, whatever the vocabulary (tests/unit/test_fused_head.py).
+bf16/fp16) and O(N * S) vectors, whatever the vocabulary (tests/parallel/test_fused_head.py).
 
 Forward, per token chunk, streaming over the vocabulary chunks of this shard (online
 log-sum-exp, relative to a running max m):

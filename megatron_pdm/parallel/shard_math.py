@@ -1,7 +1,7 @@
 """The per-shard math of the vocab-parallel op: everything one rank does on its [N, Vl] logits
 shard between and after the op's collectives. Nothing here communicates (no torch.distributed);
 parallel/vocab_parallel.py calls these functions around its two all-reduces, and the unit tests
-call them per simulated rank and reduce by hand (tests/unit/test_token_stats.py).
+call them per simulated rank and reduce by hand (tests/ops/test_token_stats.py).
 
     masked_columns / mask_columns   the support + sampled columns, gathered, then set to -inf
     shard_tail_max                  local max over the rest          -> all-reduce MAX

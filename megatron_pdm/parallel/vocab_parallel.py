@@ -50,7 +50,7 @@ masked columns) and backward turns it into the gradient with one scaling pass an
 the masked columns, so there is no [N, Vl] allocation and a single exp pass.
 
 No host synchronisation: with validate=False neither forward nor backward reads tensor data on
-the host (no nonzero, no boolean indexing, no .item(); tests/unit/test_no_host_sync.py).
+the host (no nonzero, no boolean indexing, no .item(); tests/ops/test_no_host_sync.py).
 
 Padding: ids >= vocab_size form a suffix of the padded range; each shard slices its real prefix
 (parallel/shards.py), so padded logits never enter a sum and no masked copy is made.

@@ -5,8 +5,9 @@ engine's sampled-token log-prob and top-K support on the row that predicts each 
 and, chunk by chunk, the policy's logits on the same rows; the policy's log-probs are
 log_softmax(logits / T) in float64 over the engine's vocabulary (padded ids dropped). It reports,
 over loss rows, max/mean |policy - engine| of the sampled token, of every valid support slot, and
-the fraction of rows whose top-K id set is the engine's. Used by tests/vllm/_exactness.py (the
-Megatron trainer) and megatron_pdm/tools/check_real_vllm.py (transformers).
+the fraction of rows whose top-K id set is the engine's. Used by
+tests/support/vllm_exactness.py (the Megatron trainer) and megatron_pdm/tools/check_real_vllm.py
+(transformers).
 
 Chunks keep memory bounded: a [b, s, V] float64 tensor of a real vocabulary (V = 49,152) is
 hundreds of MB per few rows.

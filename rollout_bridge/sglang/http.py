@@ -5,7 +5,8 @@ What: `SGLangHTTP`, the transport the SGLang client's parts share (`SGLangContro
 sends control requests (one server or all of them concurrently) and turns every non-2xx answer
 into an error that names the server, the route and SGLang's own message. `ROUTES` lists every
 (method, path) the client calls; CI checks each one against the route table of the installed
-sglang package (tests/sglang_api), so a route that does not exist in a supported release cannot
+sglang package (tests/rollout_bridge/sglang, marker sglang_api), so a route that does not exist
+in a supported release cannot
 be used.
 
 API key (SGLang `--api-key`): sent as `Authorization: Bearer <key>` on every request, which is
@@ -34,8 +35,8 @@ from rollout_bridge.core.apikey import ApiKey
 from rollout_bridge.core.decode import MalformedResponseError, loads
 from rollout_bridge.core.engine import run_sync
 
-# Every (method, path) the client sends, by purpose. tests/sglang_api checks each against the
-# installed sglang's HTTP app (both supported versions); tests/bridge/fake_sglang.py serves them.
+# Every (method, path) the client sends, by purpose. The sglang_api tests check each against the
+# installed sglang's HTTP app (both supported versions); tests/support/fake_sglang.py serves them.
 ROUTES: dict[str, tuple[str, str]] = {
     "generate": ("POST", "/generate"),
     "health": ("GET", "/health"),
@@ -56,7 +57,7 @@ ROUTES: dict[str, tuple[str, str]] = {
 }
 
 SUPPORTED_SGLANG = ("0.5.22", "0.5.23")
-"""The sglang releases the client is checked against (tests/sglang_api, both ends)."""
+"""The sglang releases the client is checked against (marker sglang_api, both ends)."""
 
 
 class SGLangServerError(RuntimeError):

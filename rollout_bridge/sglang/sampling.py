@@ -3,7 +3,7 @@
 `check_sglang_sampling_params` is the shared guard (`core.engine.check_sampling_params`: no
 truncation, no logit modifiers) plus SGLang's own refusals with `--skip-tokenizer-init` or at all
 (rollout_bridge/sglang/client.py docstring, "Sampling params"). `SAMPLING_KEYS` is checked against
-the installed sglang's `SamplingParams` in CI (tests/sglang_api).
+the installed sglang's `SamplingParams` in CI (tests/rollout_bridge/sglang, marker sglang_api).
 """
 
 from __future__ import annotations

@@ -29,8 +29,8 @@ with the worker's own, e.g. ``update_weights`` or ``compute_weight_checksums``):
 * ``pdm_weights_digest()`` - sha256 digests of the weights as served (vLLM names, kernel layout)
   and of the last tensors loaded in checkpoint layout.
 
-``BearerAuthEverywhereMiddleware`` (API server process, ``--middleware``) puts the API key on the
-dev routes that vLLM's ``--api-key`` leaves open.
+``BearerAuthEverywhereMiddleware`` (API server process, ``--middleware``), which puts the API key
+on the dev routes that vLLM's ``--api-key`` leaves open, is in server_auth.py.
 
 Why base64 / a file: ``/collective_rpc`` forwards only JSON, and in multi-process mode tensors
 cannot be passed anyway; a safetensors blob is dtype/shape-exact and needs no pickle.
@@ -353,56 +353,3 @@ class VLLMWeightSyncExtension:
         if str(per_param).lower() in ("1", "true", "yes"):
             out["per_param"] = digests
         return out
-
-
-class BearerAuthEverywhereMiddleware:
-    """ASGI middleware for the API server process: require the API key on every route.
-
-    vLLM's own ``--api-key`` check guards only paths starting with ``/v1``, ``/v2``,
-    ``/inference`` or ``/cohere`` (vllm/entrypoints/serve/middleware/authenticate.py ~l.11, ~l.59),
-    so with ``VLLM_SERVER_DEV_MODE=1`` the dev/RL routes (``/collective_rpc``, ``/pause``,
-    ``/resume``, ``/update_weight_version``, ``/weight_checker``, ``/abort_requests``, ...) are open
-    to anyone who can reach the port. Load with ``--middleware
-    <module>.BearerAuthEverywhereMiddleware`` (vllm/entrypoints/serve/middleware/register.py ~l.65,
-    instantiated with the app only). The token is ``VLLM_API_KEY``, which vLLM's own check also
-    reads when ``--api-key`` is absent (register.py ~l.33), so the key stays out of the process
-    list; paths in ``PDM_VLLM_OPEN_PATHS`` (comma-separated, default ``/health``) stay open.
-    """
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-        token = os.environ.get("VLLM_API_KEY", "")
-        if not token:
-            raise RuntimeError("BearerAuthEverywhereMiddleware needs VLLM_API_KEY in the env")
-        self._hashes = [hashlib.sha256(token.encode()).digest()]
-        self._open = {p for p in os.environ.get("PDM_VLLM_OPEN_PATHS", "/health").split(",") if p}
-
-    def _authorized(self, scope: dict) -> bool:
-        import secrets
-
-        for key, value in scope.get("headers") or []:
-            if key.lower() == b"authorization":
-                scheme, _, token = value.decode("latin-1").partition(" ")
-                if scheme.lower() != "bearer":
-                    return False
-                digest = hashlib.sha256(token.encode()).digest()
-                ok = False
-                for h in self._hashes:
-                    ok |= secrets.compare_digest(digest, h)
-                return ok
-        return False
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] in ("http", "websocket") and scope.get("method") != "OPTIONS":
-            path = scope["path"].removeprefix(scope.get("root_path", ""))
-            if path not in self._open and not self._authorized(scope):
-                if scope["type"] == "websocket":
-                    await send({"type": "websocket.close", "code": 1008})
-                    return
-                body = b'{"error":"Unauthorized"}'
-                await send({"type": "http.response.start", "status": 401,
-                            "headers": [(b"content-type", b"application/json"),
-                                        (b"content-length", str(len(body)).encode())]})
-                await send({"type": "http.response.body", "body": body})
-                return
-        await self.app(scope, receive, send)

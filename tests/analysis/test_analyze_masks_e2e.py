@@ -31,7 +31,7 @@ import pytest
 
 from megatron_pdm.analysis.seed_log import read_partial
 from megatron_pdm.netutil import LOCAL_TORCHRUN
-from tests.e2e._launch import ROOT, launch
+from tests.support._launch import ROOT, launch
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 
@@ -80,6 +80,7 @@ def _results(out: str) -> dict:
         return json.load(f)
 
 
+@pytest.mark.gloo
 def test_all_outputs_written(outputs):
     out = outputs["default"]
     for name in ("results.json", "results.md", "tokens.npz", "paired.png",
@@ -115,6 +116,7 @@ def _flat(x, path=""):
     return {path: x}
 
 
+@pytest.mark.gloo
 def test_study_steps_use_the_runs_learning_rate_schedule(outputs):
     """Each optimizer step of the study (the driver's earlier minibatches and the study's own)
     ran at the lr the trainer's schedule gives that step, read back from the optimizer."""
@@ -132,6 +134,7 @@ DECISIONS = ("keep__", "disagree__", "out_of_region")  # per-token booleans (0/1
 BOUNDARIES = ("away__", "delta_d")  # per-token signed statistics whose sign decides
 
 
+@pytest.mark.gloo
 def test_tp2_equals_tp1(outputs):
     """TP=2 and TP=1 give the same tokens' statistics (to rounding) and the same decisions.
 
@@ -181,6 +184,7 @@ def test_tp2_equals_tp1(outputs):
             assert va == fb[key], key
 
 
+@pytest.mark.gloo
 def test_own_runs_design_end_to_end(outputs, tmp_path):
     """Design "runs" from the same checkpoint: each criterion's own 1-iteration run per seed,
     every step counted; each seed (with its step rows) on disk as it finished."""

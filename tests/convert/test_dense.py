@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_pdm.convert.tiny import make_tiny_dense_hf
-from tests._dist import run_gloo
+from tests.support._dist import run_gloo
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 FAMILIES = ("llama", "qwen3")
@@ -47,6 +47,7 @@ def dense(tmp_path_factory):
     return out
 
 
+@pytest.mark.gloo
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tp2_round_trip_is_bit_exact_and_logits_match(dense, family, tmp_path):
     hf_dir, mcore = dense[family]
@@ -68,6 +69,7 @@ def test_tp2_round_trip_is_bit_exact_and_logits_match(dense, family, tmp_path):
     assert result["argmax_agreement"] == 1.0
 
 
+@pytest.mark.gloo
 def test_llama_pp2_import_round_trips(dense, tmp_path):
     hf_dir, _ = dense["llama"]
     _tool("convert_hf_to_megatron").convert_hf_to_megatron(str(hf_dir), str(tmp_path / "pp2"),
@@ -78,6 +80,7 @@ def test_llama_pp2_import_round_trips(dense, tmp_path):
     assert src.keys() == dst.keys() and all(torch.equal(src[k], dst[k]) for k in src)
 
 
+@pytest.mark.gloo
 def test_verify_sees_a_wrong_tied_embedding(dense, tmp_path):
     """The tied output layer is the embedding: perturbing the HF embedding must show in logits."""
     import shutil
@@ -114,6 +117,7 @@ def _live_worker(rank, world, hf_dir, mcore, tp, pp, out_path):
         torch.save(state, out_path)
 
 
+@pytest.mark.gloo
 @pytest.mark.parametrize("family,tp,pp", [("llama", 2, 1), ("llama", 1, 2), ("qwen3", 1, 2)],
                          ids=["llama-tp2", "llama-pp2", "qwen3-pp2"])
 def test_live_export_of_a_loaded_dense_model(dense, tmp_path, family, tp, pp):

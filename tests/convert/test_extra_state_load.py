@@ -17,7 +17,7 @@ import re
 import pytest
 import torch
 
-from tests._dist import run_gloo
+from tests.support._dist import run_gloo
 
 
 def _worker(rank, world, hf_dir, out_dir):
@@ -59,6 +59,7 @@ def _worker(rank, world, hf_dir, out_dir):
     assert not set_calls
 
 
+@pytest.mark.gloo
 @pytest.mark.megatron
 @pytest.mark.slow
 def test_converted_checkpoint_loads_into_a_model_with_extra_state(tiny_hf, tmp_path):

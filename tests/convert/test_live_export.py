@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_pdm.convert.live import canonical_local_name
-from tests._dist import run_gloo
+from tests.support._dist import run_gloo
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 
@@ -41,6 +41,7 @@ def _worker(rank, world, hf_dir, tp, ep, pp, out_path):
         assert state == {} and bf16 == {}
 
 
+@pytest.mark.gloo
 @pytest.mark.parametrize("tp,ep,pp", [(2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2)],
                          ids=["tp2", "ep2", "tp2ep2", "pp2"])
 def test_live_export_equals_the_hf_checkpoint(tiny_hf, tmp_path, tp, ep, pp):

@@ -31,6 +31,7 @@ def real_tp3(tmp_path_factory, real_model_dir):  # skips (or fails under make te
     return out
 
 
+@pytest.mark.gloo
 def test_real_model_round_trips_bit_exactly_at_tp3(real_tp3, tmp_path):
     _tool("convert_megatron_to_hf").convert_megatron_to_hf(str(real_tp3), str(tmp_path / "back"))
     src, dst = load_file(str(REAL / "model.safetensors")), {}
@@ -43,6 +44,7 @@ def test_real_model_round_trips_bit_exactly_at_tp3(real_tp3, tmp_path):
         (tmp_path / "back" / "tokenizer.json").is_file()
 
 
+@pytest.mark.gloo
 def test_real_model_logits_match_transformers_on_its_tokenizer(real_tp3):
     verify = _tool("verify_conversion")
     result = verify.verify_conversion(str(REAL), str(real_tp3), tp=3,

@@ -41,6 +41,7 @@ def converted(tiny_hf, tmp_path_factory):
     return out
 
 
+@pytest.mark.gloo
 def test_import_writes_the_megatron_lm_load_layout(converted):
     """`--load <out>` in Megatron-LM: tracker "release" -> `<out>/release`, a torch_dist
     checkpoint (megatron/training/checkpointing.py: read_metadata, get_checkpoint_name,
@@ -61,6 +62,7 @@ def test_import_writes_the_megatron_lm_load_layout(converted):
     assert not (converted / "metadata.json").exists()  # nothing but the layout at the top
 
 
+@pytest.mark.gloo
 def test_round_trip_is_bit_exact(tiny_hf, converted, tmp_path):
     hf_dir, _, _ = tiny_hf
     meta = json.loads((converted / "pdm_model.json").read_text())
@@ -78,6 +80,7 @@ def test_round_trip_is_bit_exact(tiny_hf, converted, tmp_path):
     assert json.loads((tmp_path / "hf2" / "config.json").read_text())["vocab_size"] == 1000
 
 
+@pytest.mark.gloo
 def test_both_hf_expert_layouts_import_and_load_in_transformers(tiny_hf, converted, tmp_path):
     """Export fused and per-expert; transformers loads both to the same logits as the source."""
     from transformers import AutoModelForCausalLM
@@ -103,6 +106,7 @@ def test_both_hf_expert_layouts_import_and_load_in_transformers(tiny_hf, convert
     assert src.keys() == dst.keys() and all(torch.equal(src[k], dst[k]) for k in src)
 
 
+@pytest.mark.gloo
 def test_verify_at_another_layout(tiny_hf, converted):
     hf_dir, _, _ = tiny_hf
     result = _tool("verify_conversion").verify_conversion(
@@ -113,6 +117,7 @@ def test_verify_at_another_layout(tiny_hf, converted):
     assert result["argmax_agreement"] == 1.0
 
 
+@pytest.mark.gloo
 def test_verify_detects_a_wrong_weight(tiny_hf, converted, tmp_path):
     """Perturb one expert in the HF copy: verification must see a large difference."""
     import shutil
@@ -133,6 +138,7 @@ def test_verify_detects_a_wrong_weight(tiny_hf, converted, tmp_path):
     assert result["max_abs_dlogit"] > 1e-2
 
 
+@pytest.mark.gloo
 def test_refuses_mis_shaped_and_tampered(tiny_hf, converted, tmp_path):
     import shutil
 

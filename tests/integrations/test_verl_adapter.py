@@ -62,6 +62,7 @@ def test_verl_check(report, name):
     assert report.get(name) == "ok", report.get(name, f"check {name} did not run")
 
 
+@pytest.mark.gloo
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["processor_role_tp1", "processor_role_tp2"])
 def test_logits_processor_role(tmp_path, name):

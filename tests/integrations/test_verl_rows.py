@@ -16,7 +16,7 @@ import megatron_pdm as pdm
 from megatron_pdm.integrations import verl_rows
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "support"))
 from _dist import run_gloo  # noqa: E402
 
 
@@ -99,6 +99,7 @@ def _tp_worker(rank, world, name):
         assert torch.allclose(got[key], want[key], rtol=1e-9, atol=1e-12), (rank, key)
 
 
+@pytest.mark.gloo
 @pytest.mark.slow
 def test_tp2_equals_the_op_on_gathered_logits():
     run_gloo(_tp_worker, 2, "pdm-agg")

@@ -284,7 +284,7 @@ def _processor_worker(rank: int, world: int) -> None:
 
 
 def _processor(world: int) -> None:
-    sys.path.insert(0, __file__.rsplit("/", 2)[0])  # tests/, for _dist
+    sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/support")  # tests/support, for _dist
     from _dist import run_gloo
     run_gloo(_processor_worker, world)
 

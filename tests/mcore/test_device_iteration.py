@@ -1,8 +1,8 @@
 """No tensor off the driver's device in a real RL iteration (stand-in CUDA device on CPU).
 
-`tests/_device_trace.py` makes `torch.cuda.current_device()` a device other than the host memory
-(tags by storage, CPU numerics) and records every op a GPU would refuse: a device tensor meeting
-a host one, a host tensor in a collective over an NCCL group, `.numpy()` of a device tensor.
+`tests/support/_device_trace.py` makes `torch.cuda.current_device()` a device other than the host
+memory (tags by storage, CPU numerics) and records every op a GPU would refuse: a device tensor
+meeting a host one, a host tensor in a collective over an NCCL group, `.numpy()` of a device tensor.
 Under it the driver's own code runs, in one gloo process (two for TP=2 with sequence
 parallelism), with the tiny CPU config:
 `Trainer(cfg)` (model, engine copy, DDP, megatron optimizer), one supervised warm-up step, the
@@ -28,7 +28,7 @@ import pathlib
 import pytest
 import torch
 
-from tests._dist import run_gloo
+from tests.support._dist import run_gloo
 
 TINY = str(pathlib.Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu" / "config.yaml")
 
@@ -100,7 +100,7 @@ def _worker(rank, world, out, gpu_init, distributed_optimizer, tp):
     from megatron_pdm.train import schedule
     from megatron_pdm.train import trainer as trainer_mod
     from megatron_pdm.train.logging_utils import MetricsWriter
-    from tests._device_trace import DeviceTrace
+    from tests.support._device_trace import DeviceTrace
 
     apply_cpu_shim()
     if gpu_init:  # what transformer_config chooses on a GPU
@@ -136,7 +136,7 @@ def _unplaced_worker(rank, world, out):
     from megatron_pdm.mcore.cpu_shim import apply_cpu_shim
     from megatron_pdm.train.rollout import factory as rollout_mod
     from megatron_pdm.train import trainer as trainer_mod
-    from tests._device_trace import DeviceTrace
+    from tests.support._device_trace import DeviceTrace
 
     apply_cpu_shim()
     trainer_mod.place = rollout_mod.place = lambda module: module  # the driver before the fix
@@ -147,6 +147,7 @@ def _unplaced_worker(rank, world, out):
     assert any("mixes device tensors with host" in v for v in trace.violations), trace.report()
 
 
+@pytest.mark.gloo
 @pytest.mark.megatron
 @pytest.mark.slow
 @pytest.mark.parametrize("gpu_init,distributed_optimizer,tp", [
@@ -156,6 +157,7 @@ def test_rl_iteration_stays_on_the_device(tmp_path, gpu_init, distributed_optimi
     run_gloo(_worker, tp, str(tmp_path / "run"), gpu_init, distributed_optimizer, tp)
 
 
+@pytest.mark.gloo
 @pytest.mark.megatron
 @pytest.mark.slow
 def test_unplaced_model_is_caught(tmp_path):

@@ -18,7 +18,7 @@ import pathlib
 
 import pytest
 
-from tests._dist import run_gloo
+from tests.support._dist import run_gloo
 
 TINY = str(pathlib.Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu" / "config.yaml")
 ITERATIONS = 3
@@ -56,6 +56,7 @@ def _rows(out):
                 for line in f]
 
 
+@pytest.mark.gloo
 @pytest.mark.megatron
 def test_eval_interval_adds_evaluations_and_changes_nothing_else(tmp_path):
     every, ends = str(tmp_path / "every"), str(tmp_path / "ends")

@@ -4,7 +4,8 @@ The iteration's last metrics row waits for the push's time (`time/weight_sync_s`
 `time/iteration_s`). When the push (or the overlapped rollout collected before it) raises, the
 row is written anyway with those two times null, and the error propagates: the log never reads
 as a batch trained on fewer minibatches than it was (a real vLLM server killed at the push did
-exactly that, tests/vllm/test_4_faults.py). The successful iteration before it has both times.
+exactly that, tests/train/rollout/test_vllm_faults.py). The successful iteration before it has both
+times.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pathlib
 
 import pytest
 
-from tests._dist import run_gloo
+from tests.support._dist import run_gloo
 
 TINY = str(pathlib.Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu" / "config.yaml")
 
@@ -52,6 +53,7 @@ def _worker(rank, world, out):
         parallel_state.destroy_model_parallel()
 
 
+@pytest.mark.gloo
 @pytest.mark.megatron
 def test_failed_push_still_logs_the_last_step(tmp_path):
     out = str(tmp_path / "run")

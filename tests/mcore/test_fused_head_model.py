@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import megatron_pdm as pdm
 from rollout_bridge.core.packing import pack_padded
 from rollout_bridge.core.types import RolloutBatch
-from tests._dist import run_gloo
+from tests.support._dist import run_gloo
 from tests.mcore.test_loss_adapter import K, V, _sample  # rollout samples over V = 11, K = 4
 
 H = 64
@@ -172,11 +172,13 @@ def _compare_worker(rank, world, sp_flags):
             ps.destroy_model_parallel()
 
 
+@pytest.mark.gloo
 @pytest.mark.megatron
 def test_fused_head_equals_default_tp1():
     run_gloo(_compare_worker, 1, (False,))
 
 
+@pytest.mark.gloo
 @pytest.mark.megatron
 def test_fused_head_equals_default_tp2_sp_on_and_off():
     run_gloo(_compare_worker, 2, (True, False))

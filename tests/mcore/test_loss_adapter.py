@@ -22,7 +22,7 @@ import megatron_pdm as pdm
 from megatron_pdm.mcore.loss_adapter import policy_loss_func, to_bsv
 from rollout_bridge.core.packing import pack_padded
 from rollout_bridge.core.types import RolloutBatch, RolloutSample
-from tests._dist import run_gloo
+from tests.support._dist import run_gloo
 
 V, V_PADDED, K = 11, 16, 4
 
@@ -223,6 +223,7 @@ def _tp_parity_worker(rank, world, ckpt_dir, out_path):
     del destroy_parallel
 
 
+@pytest.mark.gloo
 @pytest.mark.megatron
 def test_loss_tp2_equals_tp1_after_reshard(tmp_path):
     run_gloo(_tp_parity_worker, 2, str(tmp_path / "ckpt"), str(tmp_path / "res.pt"))

@@ -20,7 +20,7 @@ import torch
 
 import megatron_pdm as pdm
 from megatron_pdm import metrics as M
-from tests._dist import run_gloo
+from tests.support._dist import run_gloo
 
 TINY = str(pathlib.Path(__file__).resolve().parents[2] / "examples" / "tiny_cpu" / "config.yaml")
 
@@ -72,6 +72,7 @@ def _worker(rank, world, tp, ep):
     del destroy_parallel
 
 
+@pytest.mark.gloo
 @pytest.mark.megatron
 @pytest.mark.parametrize("tp,ep", [(2, 1), (1, 2)], ids=["tp2", "ep2"])
 def test_step0_no_mismatch_keeps_every_token(tp, ep):

@@ -1,10 +1,10 @@
 """slime's custom loss (`--loss-type custom_loss --custom-loss-function-path
 megatron_pdm.integrations.slime.pdm_loss`): the family's loss on slime's packed logits.
 
-Scope (tested in tests/unit/test_slime_adapter.py and tests/unit/test_slime_hooks.py on
-slime-shaped inputs, not against an installed slime): context parallelism 1. The top-K keys
-come from the hooks of `hooks.py` (generate, convert_samples) and reach this loss only through
-slime with `passthrough.patch` applied (docs/own-loop.md, "slime").
+Scope (tested in tests/integrations/test_slime_adapter.py and tests/integrations/test_slime_hooks.py
+on slime-shaped inputs, not against an installed slime): context parallelism 1. The top-K keys come
+from the hooks of `hooks.py` (generate, convert_samples) and reach this loss only through slime with
+`passthrough.patch` applied (docs/own-loop.md, "slime").
 
 slime calls `loss_fn(args, batch, logits, sum_of_sample_mean) -> (loss, log)` with `logits`
 the packed THD output `[1, T, V_local]` (raw, before the rollout temperature) and per-sample

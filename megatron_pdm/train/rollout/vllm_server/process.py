@@ -31,7 +31,8 @@ from megatron_pdm.train.rollout.vllm_server.venv import (
     vllm_python,
 )
 
-EXT_MODULE = "pdm_vllm_ext"
+EXT_MODULE = "pdm_vllm_ext"    # rollout_bridge/vllm/worker_ext.py (the worker extension)
+AUTH_MODULE = "pdm_vllm_auth"  # rollout_bridge/vllm/server_auth.py (the API-key middleware)
 
 
 def check_bind_host(host: str) -> None:
@@ -113,7 +114,7 @@ class VLLMServer:
             "--logprobs-mode", "processed_logprobs", "--skip-tokenizer-init",
             "--no-enable-chunked-prefill", "--enforce-eager", "--generation-config", "vllm",
             "--kv-cache-memory-bytes", str(self.kv_cache_bytes),
-            "--middleware", f"{EXT_MODULE}.BearerAuthEverywhereMiddleware",
+            "--middleware", f"{AUTH_MODULE}.BearerAuthEverywhereMiddleware",
             "--worker-extension-cls", f"{EXT_MODULE}.VLLMWeightSyncExtension",
             *self.extra_args,
         ]
@@ -121,10 +122,10 @@ class VLLMServer:
     def environment(self) -> dict[str, str]:
         ext_dir = self.workdir / "ext"
         ext_dir.mkdir(exist_ok=True)
-        # A copy as a top-level module: putting rollout_bridge/ on the path would shadow the
+        # Copies as top-level modules: putting rollout_bridge/ on the path would shadow the
         # standard library's `types` (rollout_bridge/vllm/worker_ext.py docstring).
-        shutil.copy(ROOT / "rollout_bridge" / "vllm" / "worker_ext.py",
-                    ext_dir / f"{EXT_MODULE}.py")
+        for source, module in (("worker_ext.py", EXT_MODULE), ("server_auth.py", AUTH_MODULE)):
+            shutil.copy(ROOT / "rollout_bridge" / "vllm" / source, ext_dir / f"{module}.py")
         env = {k: v for k, v in os.environ.items()
                if k not in ("PYTHONPATH", "VLLM_API_KEY", "RANK", "WORLD_SIZE", "LOCAL_RANK",
                             "MASTER_ADDR", "MASTER_PORT")}
