@@ -40,7 +40,8 @@ def run_grid(grid: Grid, *, config: str, out: str, warmup_overrides: list[str], 
     # the warm-up uses the grid's layout and sizes (seed: the config's own)
     warm = compare.shared_warmup(config, warm_dir, [*grid.sizes, *warmup_overrides], nproc,
                                  threads)
-    log(f"stability: warm-up greedy accuracy {warm['evals'].get('before_rl', float('nan')):.3f}")
+    if "before_rl" in warm["evals"]:  # none without a warm-up: each run measures its own
+        log(f"stability: warm-up greedy accuracy {warm['evals']['before_rl']:.3f}")
     done = {r["cell"] for r in read_records(out)}
     todo = [c for c in grid.cells() if c.name not in done]
     log(f"stability: {len(done)} cells already recorded, {len(todo)} to run")
@@ -48,7 +49,8 @@ def run_grid(grid: Grid, *, config: str, out: str, warmup_overrides: list[str], 
     for k, cell in enumerate(todo, 1):
         t1 = time.time()
         run_dir = os.path.join(out, "runs", cell.name)
-        compare.run_one(config, METHODS[cell.method], cell.seed, run_dir, warm_dir,
+        compare.run_one(config, METHODS[cell.method], cell.seed, run_dir,
+                        warm.get("start_dir", warm_dir),  # warmup.steps=0: the config's load_dir
                         grid.overrides(cell), nproc, threads, grid.launcher(cell, config))
         record = S.run_record(run_dir, cell, wall_s=time.time() - t1)
         append_record(out, record)
