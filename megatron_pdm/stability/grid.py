@@ -40,6 +40,11 @@ SETTINGS: dict[str, list[str]] = {
     # the real vLLM CPU server in bf16 behind an fp32 trainer (needs .venv-vllm: make vllm-venv);
     # the server is started per run by SERVER_SETTINGS' launcher, `{vllm_url}` filled in by it
     "engine-vllm-bf16": ["rollout.engine=vllm", "rollout.vllm.url={vllm_url}"],
+    # the real model's steps-per-batch stress (--model real, stability/profiles.py: its lr is
+    # 5e-6, one step per batch): the batch in 4 minibatches (4 optimizer steps per rollout batch,
+    # the same compute as one) at a larger lr
+    "real-mb4-lr2e-5": ["train.minibatches_per_iteration=4", "train.lr=2e-5"],
+    "real-mb4-lr5e-5": ["train.minibatches_per_iteration=4", "train.lr=5e-5"],
     # the smoke setting: both queue-based keys at once, measurable within 2 iterations
     "smoke-stale1-epochs2": ["rollout.local.staleness=1", "train.epochs_per_batch=2"],
 }
@@ -47,7 +52,9 @@ SETTINGS: dict[str, list[str]] = {
 # (megatron_pdm.train.rollout.vllm_server)
 SERVER_SETTINGS: dict[str, list[str]] = {"engine-vllm-bf16": ["--dtype", "bfloat16"]}
 # the default grid needs no server (the vLLM setting is asked for by name: --settings ...)
-DEFAULT_SETTINGS = [s for s in SETTINGS if not s.startswith("smoke") and s not in SERVER_SETTINGS]
+# (and the real model's settings, "real-...", are asked for by name too)
+DEFAULT_SETTINGS = [s for s in SETTINGS if not s.startswith(("smoke", "real-"))
+                    and s not in SERVER_SETTINGS]
 SMOKE_METHODS = ["no-trust-region", "pdm-agg"]
 SMOKE_SETTINGS = ["smoke-stale1-epochs2"]
 
@@ -88,6 +95,9 @@ class Grid:
     settings: list[str]
     seeds: list[int]
     sizes: list[str] = field(default_factory=lambda: list(SIZES))
+    # launcher arguments for every cell's own vLLM server (the real-model profile,
+    # stability/profiles.py); None: only the SERVER_SETTINGS cells get a server
+    server: list[str] | None = None
 
     def __post_init__(self) -> None:
         for kind, names, known in (("method", self.methods, METHODS),
@@ -109,9 +119,10 @@ class Grid:
     def launcher(self, cell: Cell, config: str) -> list[str]:
         """The command prefix that starts this cell's engine server around its driver run
         (megatron_pdm.train.rollout.vllm_server ... --), or [] when the cell needs no server."""
-        if cell.setting not in SERVER_SETTINGS:
+        if self.server is None and cell.setting not in SERVER_SETTINGS:
             return []
         import sys
 
         return [sys.executable, "-m", "megatron_pdm.train.rollout.vllm_server", "--config",
-                config, "--set", f"seed={cell.seed}", *SERVER_SETTINGS[cell.setting], "--"]
+                config, "--set", f"seed={cell.seed}", *(self.server or []),
+                *SERVER_SETTINGS.get(cell.setting, []), "--"]

@@ -33,10 +33,12 @@ def append_record(out: str, record: dict) -> None:
         os.fsync(f.fileno())
 
 
-def default_jobs(nproc: int, threads: int) -> int:
+def default_jobs(nproc: int, threads: int, server: bool = False) -> int:
     """Cells side by side by default: as many as the machine's cores hold at `nproc` processes x
-    `threads` threads per cell (at least one)."""
-    return max(1, (os.cpu_count() or 1) // max(1, nproc * threads))
+    `threads` threads per cell, plus one core for the cell's engine server when it starts one
+    (at least one cell)."""
+    per_cell = max(1, nproc * threads) + (1 if server else 0)
+    return max(1, (os.cpu_count() or 1) // per_cell)
 
 
 def run_grid(grid: Grid, *, config: str, out: str, warmup_overrides: list[str], nproc: int = 1,
@@ -54,7 +56,9 @@ def run_grid(grid: Grid, *, config: str, out: str, warmup_overrides: list[str], 
     # the warm-up uses the grid's layout and sizes (seed: the config's own)
     warm = compare.shared_warmup(config, warm_dir, [*grid.sizes, *warmup_overrides], nproc,
                                  threads)
-    log(f"stability: warm-up greedy accuracy {warm['evals'].get('before_rl', float('nan')):.3f}")
+    if "before_rl" in warm["evals"]:  # none without a warm-up: each run measures its own
+        log(f"stability: warm-up greedy accuracy {warm['evals']['before_rl']:.3f}")
+    start_dir = warm.get("start_dir", warm_dir)  # warmup.steps=0: the config's load_dir
     done = {r["cell"] for r in read_records(out)}
     todo = [c for c in grid.cells() if c.name not in done]
     log(f"stability: {len(done)} cells already recorded, {len(todo)} to run, {jobs} at a time")
@@ -65,7 +69,7 @@ def run_grid(grid: Grid, *, config: str, out: str, warmup_overrides: list[str], 
         run_dir = os.path.join(out, "runs", cell.name)
         log_path = os.path.join(run_dir, "driver.log") if jobs > 1 else None
         try:
-            compare.run_one(config, METHODS[cell.method], cell.seed, run_dir, warm_dir,
+            compare.run_one(config, METHODS[cell.method], cell.seed, run_dir, start_dir,
                             grid.overrides(cell), nproc, threads, grid.launcher(cell, config),
                             log_path=log_path)
         except Exception:

@@ -53,11 +53,25 @@ def _sets(items: list[str]) -> list[str]:
 
 
 def shared_warmup(config: str, out: str, overrides: list[str], nproc: int, threads: int) -> dict:
-    """The warm-up checkpoint of `config` + `overrides` in `out` (made once, then reused)."""
+    """The warm-up checkpoint of `config` + `overrides` in `out` (made once, then reused).
+
+    With `warmup.steps=0` there is no warm-up to share: the runs start from the config's own
+    `checkpoint.load_dir` (e.g. a converted pretrained model), returned as the record's
+    `start_dir`, and each run measures its own evaluation before RL (`evals` is empty)."""
+    from megatron_pdm.configtree import ConfigError
     from megatron_pdm.train.config import RunConfig
     from megatron_pdm.train.warmup_export import WARMUP_FILE
 
-    wanted = RunConfig.load(config, overrides + [f"output_dir={out}"]).to_dict()
+    cfg = RunConfig.load(config, overrides + [f"output_dir={out}"])
+    wanted = cfg.to_dict()
+    if cfg.warmup.steps == 0:
+        if not cfg.checkpoint.load_dir:
+            raise ConfigError("warmup.steps=0 and no checkpoint.load_dir: the runs would start "
+                              "from a random model each; set checkpoint.load_dir (e.g. a "
+                              "converted checkpoint) or warmup.steps > 0")
+        start = os.path.abspath(cfg.checkpoint.load_dir)
+        print(f"compare: no warm-up (warmup.steps=0): every run starts from {start}", flush=True)
+        return {"evals": {}, "wall_s": 0.0, "config": wanted, "start_dir": start}
     record_path = os.path.join(out, WARMUP_FILE)
     if os.path.exists(os.path.join(out, TRACKER)) and os.path.exists(record_path):
         with open(record_path) as f:
@@ -104,8 +118,8 @@ def main(argv=None) -> int:
         name = f"{preset}_s{seed}"
         out = os.path.join(args.output_dir, name)
         t1 = time.time()
-        run_one(args.config, preset, seed, out, warm_dir, args.overrides, args.nproc,
-                args.threads)
+        run_one(args.config, preset, seed, out, warm.get("start_dir", warm_dir), args.overrides,
+                args.nproc, args.threads)
         took = time.time() - t1
         runs[name] = read_metrics(os.path.join(out, "metrics.jsonl"))
         with open(os.path.join(out, "summary.json")) as f:

@@ -120,3 +120,10 @@ def test_rerecord_rebuilds_from_the_run_folders_and_keeps_the_old_file(tmp_path,
     assert all(r["end"] == {"new": True} and r["wall_s"] == 7.0 for r in records[:-1])
     assert records[-1]["end"] == {"old": 1}
     assert (tmp_path / "records.jsonl.before-rerecord").read_text() == before
+
+
+def test_a_cell_with_an_engine_server_counts_one_more_core(monkeypatch):
+    monkeypatch.setattr(run.os, "cpu_count", lambda: 2)
+    assert run.default_jobs(1, 1, server=True) == 1
+    monkeypatch.setattr(run.os, "cpu_count", lambda: 16)
+    assert run.default_jobs(1, 1, server=True) == 8 and run.default_jobs(1, 1) == 16
