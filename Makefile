@@ -35,9 +35,10 @@ demo: $(STAMP)
 		--config examples/tiny_cpu/config.yaml --set checkpoint.allow_fresh_start=true \
 		$(if $(SEED),--set seed=$(SEED)) $(ARGS)
 
-# make stability [ARGS="--smoke" | "--settings base stale8 --seeds 1 2 3"]: the trust-region
-# stability grid (docs/stability.md), into results/stability/full unless ARGS has --output-dir.
-# A killed grid resumes: finished cells (records.jsonl) are skipped.
+# make stability [ARGS="--smoke" | "--settings base stale8 --seeds 1 2 3" | "--model real ..."]:
+# the trust-region stability grid (docs/stability.md), into results/stability/full unless ARGS
+# has --output-dir; the default is 12 methods x 8 settings x 3 seeds, two runs side by side on 2
+# cores (~1.5 h). A killed grid resumes: finished cells (records.jsonl) are skipped.
 stability: $(STAMP)
 	OMP_NUM_THREADS=1 nice -n 5 $(VPY) -m megatron_pdm.tools.stability $(ARGS)
 
