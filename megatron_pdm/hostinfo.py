@@ -2,9 +2,10 @@
 
 Results files (stability grid, mask study, simulation, benchmarks) record it beside their
 thread count, since CPU results depend on the CPU. The model name alone does not say which
-kernels ran: two "AMD EPYC" machines of different generations give different warm-ups (one
-without AVX-512, one with it), so `cpu_id` adds family / model / stepping and `kernel_isa` the
-instruction set torch dispatches its CPU kernels to.
+kernels ran: two machines that both report "AMD EPYC" gave different warm-ups with the same
+command (docs/stability.md; what differed between them was not recorded), so `cpu_id` adds
+family / model / stepping and `kernel_isa` the instruction set torch dispatches its CPU kernels
+to.
 """
 
 from __future__ import annotations

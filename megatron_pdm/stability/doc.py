@@ -15,10 +15,10 @@ megatron_pdm/tools/study_report.py registers these kinds beside the analysis one
 from __future__ import annotations
 
 import json
-import math
 from statistics import stdev
 
-from megatron_pdm.stability.report import in_words, masked_total
+from megatron_pdm.stability import summary as S
+from megatron_pdm.stability.report import fmt, in_words, masked_total
 
 
 def _load(path: str) -> dict:
@@ -27,8 +27,7 @@ def _load(path: str) -> dict:
 
 
 def _f(v, digits: int = 3) -> str:
-    return "n/a" if v is None or (isinstance(v, float) and not math.isfinite(v)) \
-        else f"{v:.{digits}f}"
+    return fmt(v, digits, missing="n/a")
 
 
 def _methods(result: dict) -> list[str]:
@@ -95,18 +94,6 @@ def methods_table(path: str, label: str = "") -> str:
     return "\n".join(out) + "\n"
 
 
-def _paired(result: dict, row: dict) -> list[float]:
-    """The per-seed differences behind one comparison row, from the run records."""
-    by = {}
-    for run in result["runs"]:
-        if run["setting"] == row["setting"]:
-            by[(run["method"], run["seed"])] = run["end"][row["outcome"]]
-    seeds = sorted({s for (_, s) in by})
-    return [by[(row["method"], s)] - by[(row["baseline"], s)] for s in seeds
-            if (row["method"], s) in by and (row["baseline"], s) in by
-            and math.isfinite(by[(row["method"], s)]) and math.isfinite(by[(row["baseline"], s)])]
-
-
 def comparisons(path: str, label: str = "") -> str:
     """The comparison rows of the primary outcome (all rows when none was pre-registered), with
     wins / losses / ties and the SD of the paired differences recomputed from the records."""
@@ -116,8 +103,10 @@ def comparisons(path: str, label: str = "") -> str:
            "| setting | comparison | outcome | mean diff | 95% CI (bootstrap) | wins / losses / "
            "ties | SD of differences | p | Holm p | verdict |",
            "|---|---|---|---|---|---|---|---|---|---|"]
-    for c in rows:
-        d = _paired(r, c)
+    cells = S.index(r["runs"])
+    for c in rows:  # the per-seed differences behind the row, by the rule compare() used
+        d = [x - y for x, y in S.seed_pairs(cells, c["setting"], c["method"], c["baseline"],
+                                            c["outcome"])]
         wins, losses = sum(x > 0 for x in d), sum(x < 0 for x in d)
         ci = "n/a" if c["ci95"] is None else f"[{c['ci95'][0]:+.3f}, {c['ci95'][1]:+.3f}]"
         out.append(f"| {c['setting']} | {c['method']} - {c['baseline']} | {c['outcome']} | "

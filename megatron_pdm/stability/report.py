@@ -13,8 +13,9 @@ from megatron_pdm.stability import summary as S
 SCHEMA = 1
 
 
-def _fmt(v: float, digits: int = 3) -> str:
-    return "nan" if not math.isfinite(v) else f"{v:.{digits}f}"
+def fmt(v, digits: int = 3, missing: str = "nan") -> str:
+    """`v` with `digits` decimals; `missing` for None or a non-finite value."""
+    return missing if v is None or not math.isfinite(v) else f"{v:.{digits}f}"
 
 
 def cell_table(records: list[dict]) -> list[dict]:
@@ -73,13 +74,13 @@ def markdown(result: dict) -> str:
     for c in result["cells"]:
         lines.append(
             f"| {c['setting']} | {c['method']} | {len(c['seeds'])} | "
-            f"{_fmt(c['greedy_acc_before_rl'])} -> {_fmt(c['greedy_acc_after_rl'])} "
-            f"({_fmt(c['greedy_acc_after_rl_sd'])}) | {_fmt(c['reward_end'])} | "
-            f"{_fmt(c['sampled_kl_end'], 5)} | {_fmt(c['masked_frac_end'], 4)} | "
-            f"{_fmt(c.get('is_masked_frac_end', float('nan')), 4)} | "
-            f"{_fmt(c['entropy_end'])} | {_fmt(c['grad_norm_end'])} | "
-            f"{c['collapsed']}/{len(c['seeds'])} | {_fmt(c['measured_staleness_max'], 0)} | "
-            f"{_fmt(c['measured_steps_per_batch'], 0)} |")
+            f"{fmt(c['greedy_acc_before_rl'])} -> {fmt(c['greedy_acc_after_rl'])} "
+            f"({fmt(c['greedy_acc_after_rl_sd'])}) | {fmt(c['reward_end'])} | "
+            f"{fmt(c['sampled_kl_end'], 5)} | {fmt(c['masked_frac_end'], 4)} | "
+            f"{fmt(c.get('is_masked_frac_end', float('nan')), 4)} | "
+            f"{fmt(c['entropy_end'])} | {fmt(c['grad_norm_end'])} | "
+            f"{c['collapsed']}/{len(c['seeds'])} | {fmt(c['measured_staleness_max'], 0)} | "
+            f"{fmt(c['measured_steps_per_batch'], 0)} |")
     primary = result.get("primary")
     holm = (f"Holm within each family (primary: the `{primary}` rows, pre-registered; "
             "secondary: the other rows)" if primary else "Holm over all rows")
@@ -89,10 +90,10 @@ def markdown(result: dict) -> str:
               "p Holm | verdict |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["comparisons"]:
         ci = ("n/a" if r["ci95"] is None else
-              f"[{_fmt(r['ci95'][0])}, {_fmt(r['ci95'][1])}]")
+              f"[{fmt(r['ci95'][0])}, {fmt(r['ci95'][1])}]")
         lines.append(f"| {r['setting']} | {r['method']} - {r['baseline']} | {r['outcome']} | "
-                     f"{r.get('family', 'all')} | {r['n_seeds']} | {_fmt(r['mean_diff'])} | {ci} | {_fmt(r['p'])} | "
-                     f"{_fmt(r['p_holm'])} | {r['verdict']} |")
+                     f"{r.get('family', 'all')} | {r['n_seeds']} | {fmt(r['mean_diff'])} | {ci} | {fmt(r['p'])} | "
+                     f"{fmt(r['p_holm'])} | {r['verdict']} |")
     lines += ["", *in_words(result)]
     return "\n".join(lines) + "\n"
 
@@ -127,8 +128,7 @@ def in_words(result: dict) -> list[str]:
                 continue
             groups: dict[str, list[str]] = {}
             for r in rows:
-                label = r["verdict"].split(" (")[0]
-                groups.setdefault(label, []).append(r["method"])
+                groups.setdefault(r["verdict"], []).append(r["method"])
             said = "; ".join(f"{label}: {', '.join(sorted(m))}"
                              for label, m in sorted(groups.items()))
             parts.append(f"{outcome} vs {rows[0]['baseline']}: {said}")

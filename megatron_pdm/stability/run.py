@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
@@ -109,8 +110,11 @@ def run_grid(grid: Grid, *, config: str, out: str, warmup_overrides: list[str], 
 def rerecord(out: str, log=print) -> int:
     """Rebuilds every record of `out`/records.jsonl from its run's files (runs/<cell>/: metrics,
     summary), keeping its wall time: a record schema that gained an outcome needs no rerun. The
-    previous file is kept beside it (records.jsonl.before-rerecord); a record whose run folder
-    is gone stays as it was. Returns the number of records rebuilt."""
+    file as it was is copied first to records.jsonl.before-rerecord (the first such copy is never
+    overwritten: a later rerecord keeps it and writes .before-rerecord.2, ...), then the new file
+    replaces records.jsonl in one rename, so a process killed at any point leaves a complete
+    records.jsonl. A record whose run folder is gone stays as it was. Returns the number of
+    records rebuilt."""
     path = os.path.join(out, RECORDS)
     old = read_records(out)
     new, rebuilt = [], 0
@@ -129,7 +133,11 @@ def rerecord(out: str, log=print) -> int:
             f.write(json.dumps(rec, sort_keys=True) + "\n")
         f.flush()
         os.fsync(f.fileno())
-    os.replace(path, path + ".before-rerecord")
+    backup, k = path + ".before-rerecord", 1
+    while os.path.exists(backup):
+        k += 1
+        backup = f"{path}.before-rerecord.{k}"
+    shutil.copy2(path, backup)
     os.replace(tmp, path)
     return rebuilt
 

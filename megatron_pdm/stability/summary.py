@@ -115,6 +115,22 @@ def run_record(run_dir: str, cell, *, wall_s: float) -> dict:
 DEFAULT_OUTCOMES = ("greedy_acc_after_rl", "reward_end")
 
 
+def index(records: list[dict]) -> dict[tuple, dict]:
+    """(method, setting, seed) -> record."""
+    return {(r["method"], r["setting"], r["seed"]): r for r in records}
+
+
+def seed_pairs(cells: dict[tuple, dict], setting: str, method: str, baseline: str,
+               outcome: str) -> list[tuple[float, float]]:
+    """(method's, baseline's) end value of `outcome` for every seed both ran in `setting`, both
+    finite, in seed order: what a comparison row is computed from."""
+    seeds = sorted(s for (m, st, s) in cells if m == method and st == setting
+                   and (baseline, setting, s) in cells)
+    pairs = [(cells[(method, setting, s)]["end"][outcome],
+              cells[(baseline, setting, s)]["end"][outcome]) for s in seeds]
+    return [(x, y) for x, y in pairs if math.isfinite(x) and math.isfinite(y)]
+
+
 def compare(records: list[dict], *, baseline: str, outcomes=DEFAULT_OUTCOMES,
             primary: str | None = None, resamples: int = 20000) -> list[dict]:
     """Every method against `baseline` in every setting, paired by seed: mean difference,
@@ -128,18 +144,14 @@ def compare(records: list[dict], *, baseline: str, outcomes=DEFAULT_OUTCOMES,
         raise ValueError(f"unknown outcome(s) {unknown}; known: {list(END_OUTCOMES)}")
     if primary is not None and primary not in outcomes:
         raise ValueError(f"primary outcome {primary!r} is not among outcomes {list(outcomes)}")
-    cells = {(r["method"], r["setting"], r["seed"]): r for r in records}
+    cells = index(records)
     methods = sorted({r["method"] for r in records} - {baseline})
     settings = sorted({r["setting"] for r in records})
     rows, pvals = [], {}
     for setting in settings:
         for method in methods:
-            seeds = sorted(s for (m, st, s) in cells if m == method and st == setting
-                           and (baseline, setting, s) in cells)
             for outcome in outcomes:
-                a = [cells[(method, setting, s)]["end"][outcome] for s in seeds]
-                b = [cells[(baseline, setting, s)]["end"][outcome] for s in seeds]
-                pairs = [(x, y) for x, y in zip(a, b) if math.isfinite(x) and math.isfinite(y)]
+                pairs = seed_pairs(cells, setting, method, baseline, outcome)
                 if not pairs:
                     continue
                 diffs = [x - y for x, y in pairs]

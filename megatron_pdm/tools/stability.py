@@ -19,13 +19,12 @@ from megatron_pdm.stability import grid as G
 from megatron_pdm.stability import profiles, report, run
 from megatron_pdm.stability import summary as S
 
-DEFAULT_CONFIG = os.path.join("examples", "tiny_cpu", "config.yaml")
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--config", default=None,
-                   help=f"run config (default: the --model profile's, {DEFAULT_CONFIG} for tiny, "
+                   help=f"run config (default: the --model profile's, {profiles.tiny().config} for tiny, "
                         "relative to a source checkout's root; the wheel ships no examples: "
                         "pass your own)")
     p.add_argument("--model", default="tiny", choices=sorted(profiles.PROFILES),

@@ -112,7 +112,8 @@ def test_rerecord_rebuilds_from_the_run_folders_and_keeps_the_old_file(tmp_path,
         (tmp_path / "runs" / cell.name).mkdir(parents=True)
         (tmp_path / "runs" / cell.name / "summary.json").write_text("{}")
     monkeypatch.setattr(run.S, "run_record", lambda run_dir, cell, wall_s: {
-        "cell": cell.name, "wall_s": wall_s, "end": {"new": run_dir.endswith(cell.name)}})
+        "cell": cell.name, "method": cell.method, "setting": cell.setting, "seed": cell.seed,
+        "wall_s": wall_s, "end": {"new": run_dir.endswith(cell.name)}})
     before = (tmp_path / "records.jsonl").read_text()
     assert run.rerecord(str(tmp_path), log=lambda *_: None) == len(cells) - 1
     records = run.read_records(str(tmp_path))
@@ -120,6 +121,30 @@ def test_rerecord_rebuilds_from_the_run_folders_and_keeps_the_old_file(tmp_path,
     assert all(r["end"] == {"new": True} and r["wall_s"] == 7.0 for r in records[:-1])
     assert records[-1]["end"] == {"old": 1}
     assert (tmp_path / "records.jsonl.before-rerecord").read_text() == before
+    # a second rebuild keeps the first copy (the run's own file) and copies to the next name
+    after_first = (tmp_path / "records.jsonl").read_text()
+    run.rerecord(str(tmp_path), log=lambda *_: None)
+    assert (tmp_path / "records.jsonl.before-rerecord").read_text() == before
+    assert (tmp_path / "records.jsonl.before-rerecord.2").read_text() == after_first
+
+
+def test_rerecord_killed_before_the_rename_leaves_the_records_whole(tmp_path, monkeypatch):
+    cell = _grid(seeds=(1,)).cells()[0]
+    run.append_record(str(tmp_path), {"cell": cell.name, "method": cell.method,
+                                      "setting": cell.setting, "seed": cell.seed, "wall_s": 1.0})
+    before = (tmp_path / "records.jsonl").read_text()
+
+    real_replace = run.os.replace
+
+    def killed(src, dst):  # every rename but the new file's goes through; that one dies
+        if str(src).endswith(".tmp"):
+            raise KeyboardInterrupt("killed")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(run.os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        run.rerecord(str(tmp_path), log=lambda *_: None)
+    assert (tmp_path / "records.jsonl").read_text() == before
 
 
 def test_a_cell_with_an_engine_server_counts_one_more_core(monkeypatch):
