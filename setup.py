@@ -118,6 +118,7 @@ CONSOLE_SCRIPTS = [
     "megatron-pdm-study-report = megatron_pdm.tools.study_report:main",
     "megatron-pdm-simulate = megatron_pdm.tools.simulate:main",
     "megatron-pdm-learning-report = megatron_pdm.tools.learning_report:main",
+    "megatron-pdm-eval-heldout = megatron_pdm.tools.eval_heldout:cli",
 ]
 
 setup(

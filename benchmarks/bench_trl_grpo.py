@@ -15,6 +15,10 @@ driver runs from the project's own `.venv`):
     .venv-trl/bin/python benchmarks/bench_trl_grpo.py trl --out-dir results/trl_compare \
         [--set ...] [--trl-threads 2]             # runs TRL on the same settings
     python benchmarks/bench_trl_grpo.py table --out-dir results/trl_compare [--baseline trl]
+    python benchmarks/bench_trl_grpo.py eval --model-dir DIR --eval-dir D [--name after_rl] \
+        [--into trl] [--set ...]                  # the driver's held-out evaluation of an HF
+                                                  # directory (e.g. TRL's --save-model) via vLLM
+    python benchmarks/bench_trl_grpo.py paired --a EVAL_DIR --b EVAL_DIR [--record after_rl]
 
 `all` runs the three in that order and writes the table. Every run writes
 `<out-dir>/<name>.json`; `table` writes `compare.json` and `compare.md`.
@@ -198,6 +202,9 @@ def cmd_trl(a) -> dict:
     trainer.train()
     train_s = time.time() - t1
     after = (0, 0) if a.skip_eval else _greedy_eval(trainer.model, task, evalset, a.eval_batch)
+    if a.save_model:  # for `eval`: the same held-out evaluation as the driver's, through vLLM
+        trainer.save_model(a.save_model)
+        task.tokenizer.save_pretrained(a.save_model)
     res = tc.run_summary(
         "trl", times, tokens, before, after, shared=shared, reward_mean=rewards,
         engine="HF transformers generate in the training process (TRL use_vllm=False)",
@@ -209,6 +216,59 @@ def cmd_trl(a) -> dict:
     res["command"] = " ".join(sys.argv)
     _write(a.out_dir, "trl", res)
     return res
+
+
+# ---------------------------------------------------------------- eval (vLLM)
+
+def eval_command(model_dir: str, eval_dir: str, name: str, sets: list[str]) -> list[str]:
+    """Serve `model_dir` (fp32, as `make demo-real` serves the model) and run the driver's
+    held-out evaluation on it (megatron_pdm/tools/eval_heldout.py), record `name` into
+    `eval_dir`/eval.jsonl."""
+    vpy = str(ROOT / ".venv/bin/python")
+    over = [x for s in sets for x in ("--set", s)]
+    return [vpy, "-m", "megatron_pdm.train.rollout.vllm_server", "--config", CONFIG,
+            "--set", "rollout.vllm.url=http://127.0.0.1:0", *over, "--model-dir", model_dir,
+            "--max-model-len", "512", "--kv-cache-mb", "512", "--",
+            vpy, "-m", "megatron_pdm.tools.eval_heldout", "--config", CONFIG,
+            "--set", "rollout.vllm.url={vllm_url}", "--set", f"task.tokenizer_dir={MODEL_DIR}",
+            *over, "--output-dir", eval_dir, "--name", name]
+
+
+def cmd_eval(a) -> None:
+    if not a.summarize_only:
+        t0 = time.time()
+        subprocess.run(eval_command(a.model_dir, a.eval_dir, a.name, a.set), cwd=ROOT,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)), check=True)
+        print(f"eval {a.name} of {a.model_dir}: {time.time() - t0:.0f} s from the command to the end")
+    if a.into:  # the side's accuracies become the vLLM evaluation's (same evaluator both sides)
+        from megatron_pdm.train import evaluation as ev
+
+        recs = ev.read_records(a.eval_dir)
+        path = os.path.join(a.out_dir, a.into + ".json")
+        with open(path) as f:
+            res = json.load(f)
+        for key, rec_name in (("acc_before", "before_rl"), ("acc_after", "after_rl")):
+            if rec_name in recs:
+                r = recs[rec_name]
+                res[key] = [int(round(sum(r.greedy))), len(r.problems)]
+        res["eval"] = {"how": "vLLM CPU server (fp32) serving the side's saved weights, the "
+                       "driver's evaluation (megatron-pdm-eval-heldout)", "eval_dir": a.eval_dir,
+                       "heldout": ev.summarize_heldout(recs)}
+        _write(a.out_dir, a.into, res)
+
+
+def cmd_paired(a) -> None:
+    """Per problem, run B's evaluation `--record` against run A's (same problems): the
+    difference B - A with its bootstrap interval and McNemar p (evaluation.summarize_heldout)."""
+    from megatron_pdm.train import evaluation as ev
+
+    ra, rb = ev.read_records(a.a)[a.record], ev.read_records(a.b)[a.record]
+    out = ev.summarize_heldout({"A": ra, "B": rb}, start="A", end="B")
+    out["A"], out["B"], out["record"] = a.a, a.b, a.record
+    print(json.dumps(out["gain"], indent=1))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(out, f, indent=1)
 
 
 # ---------------------------------------------------------------- table
@@ -241,7 +301,7 @@ def _write(out_dir: str, name: str, res: dict) -> None:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    for name in ("driver", "trl", "all", "table"):
+    for name in ("driver", "trl", "all", "table", "eval"):
         s = sub.add_parser(name)
         s.add_argument("--out-dir", default="results/trl_compare")
         s.add_argument("--set", action="append", default=[],
@@ -258,14 +318,32 @@ def main(argv=None) -> None:
             s.add_argument("--eval-batch", type=int, default=16)
             s.add_argument("--skip-eval", action="store_true",
                            help="no held-out evaluation on the TRL side (HF generate is slow)")
+            s.add_argument("--save-model", default=None, metavar="DIR",
+                           help="save TRL's trained model (HF directory) for `eval`")
+        if name == "eval":
+            s.add_argument("--model-dir", required=True, help="HF directory to serve")
+            s.add_argument("--eval-dir", required=True, help="its eval.jsonl goes here")
+            s.add_argument("--name", default="after_rl", help="the record's name")
+            s.add_argument("--into", default=None, metavar="RUN",
+                           help="put the accuracies into <out-dir>/RUN.json (e.g. trl)")
+            s.add_argument("--summarize-only", action="store_true")
         if name in ("table", "all"):
             s.add_argument("--baseline", default="trl")
             s.add_argument("--runs", nargs="*", default=None)
             s.add_argument("--first", type=int, default=0,
                            help="use the first N iterations of every run (accuracy only where a "
                            "run had exactly N)")
+    s = sub.add_parser("paired", help="per-problem difference of two evaluation directories")
+    s.add_argument("--a", required=True, help="eval directory A (the reference)")
+    s.add_argument("--b", required=True, help="eval directory B")
+    s.add_argument("--record", default="after_rl")
+    s.add_argument("--out", default=None)
     a = p.parse_args(argv)
-    if a.cmd == "driver":
+    if a.cmd == "eval":
+        cmd_eval(a)
+    elif a.cmd == "paired":
+        cmd_paired(a)
+    elif a.cmd == "driver":
         cmd_driver(a)
     elif a.cmd == "trl":
         cmd_trl(a)

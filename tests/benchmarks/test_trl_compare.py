@@ -4,9 +4,11 @@ GRPOConfig, and the ratio table (pure logic; the TRL check skips cleanly without
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -83,3 +85,71 @@ def test_the_mapping_is_a_valid_grpo_config():
     trl = pytest.importorskip("trl")
     cfg = trl.GRPOConfig(**tc.grpo_config_kwargs(tc.shared_settings(_cfg()), output_dir="/tmp/x"))
     assert cfg.generation_batch_size == 32 and cfg.top_k == 0 and cfg.scale_rewards == "none"
+
+
+def _bench():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("bench_trl_grpo",
+                                                  ROOT / "benchmarks" / "bench_trl_grpo.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_eval_serves_the_given_directory_and_evaluates_with_the_same_overrides():
+    b = _bench()
+    cmd = b.eval_command("runs/m", "out/e", "after_rl", ["seed=2", "train.eval_prompts=200"])
+    sep = cmd.index("--")
+    server, client = cmd[:sep], cmd[sep + 1:]
+    assert server[server.index("--model-dir") + 1] == "runs/m"
+    assert server[1:3] == ["-m", "megatron_pdm.train.rollout.vllm_server"]
+    assert client[1:3] == ["-m", "megatron_pdm.tools.eval_heldout"]
+    for side in (server, client):  # the server's sampling seed and the problems: one config
+        sets = [side[i + 1] for i, x in enumerate(side) if x == "--set"]
+        assert "seed=2" in sets and "train.eval_prompts=200" in sets
+    assert "rollout.vllm.url={vllm_url}" in client
+    assert client[client.index("--output-dir") + 1] == "out/e"
+    assert client[client.index("--name") + 1] == "after_rl"
+
+
+def _record(name, greedy, sampled):
+    from megatron_pdm.train import evaluation as ev
+
+    rec = ev.EvalRecord(name, 0, list(range(len(greedy))), list(greedy))
+    rec.sampled, rec.samples_per_problem = list(sampled), 1
+    return rec
+
+
+def test_eval_into_takes_the_sides_accuracies_from_the_vllm_records(tmp_path):
+    from megatron_pdm.train import evaluation as ev
+
+    b = _bench()
+    eval_dir = tmp_path / "trl-eval"
+    ev.append_record(str(eval_dir), _record("before_rl", [0, 1, 0, 0], [0, 0, 1, 0]))
+    ev.append_record(str(eval_dir), _record("after_rl", [1, 1, 0, 1], [1, 0, 1, 1]))
+    (tmp_path / "trl.json").write_text('{"name": "trl", "acc_before": [0, 0], '
+                                       '"acc_after": [0, 0]}')
+    a = SimpleNamespace(summarize_only=True, into="trl", eval_dir=str(eval_dir),
+                        out_dir=str(tmp_path), model_dir="-", name="after_rl", set=[])
+    b.cmd_eval(a)
+    res = json.loads((tmp_path / "trl.json").read_text())
+    assert res["acc_before"] == [1, 4] and res["acc_after"] == [3, 4]
+    assert res["eval"]["heldout"]["gain"]["greedy"]["gain"] == pytest.approx(0.5)
+
+
+def test_paired_compares_two_runs_problem_by_problem(tmp_path):
+    from megatron_pdm.train import evaluation as ev
+
+    b = _bench()
+    ev.append_record(str(tmp_path / "a"), _record("after_rl", [1, 1, 0, 0, 1], [1, 0, 0, 0, 1]))
+    ev.append_record(str(tmp_path / "b"), _record("after_rl", [1, 0, 1, 1, 1], [0, 0, 1, 1, 1]))
+    out = tmp_path / "p.json"
+    b.cmd_paired(SimpleNamespace(a=str(tmp_path / "a"), b=str(tmp_path / "b"),
+                                 record="after_rl", out=str(out)))
+    gain = json.loads(out.read_text())["gain"]
+    assert gain["greedy"]["gain"] == pytest.approx(0.2)  # B - A
+    assert (gain["greedy"]["gained"], gain["greedy"]["lost"]) == (2, 1)
+    ev.append_record(str(tmp_path / "c"), _record("after_rl", [1, 0, 1], [0, 0, 1]))
+    with pytest.raises(ValueError, match="different problems"):
+        b.cmd_paired(SimpleNamespace(a=str(tmp_path / "a"), b=str(tmp_path / "c"),
+                                     record="after_rl", out=None))
