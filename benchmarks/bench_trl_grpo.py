@@ -18,7 +18,8 @@ driver runs from the project's own `.venv`):
     python benchmarks/bench_trl_grpo.py eval --model-dir DIR --eval-dir D [--name after_rl] \
         [--into trl] [--set ...]                  # the driver's held-out evaluation of an HF
                                                   # directory (e.g. TRL's --save-model) via vLLM
-    python benchmarks/bench_trl_grpo.py paired --a EVAL_DIR --b EVAL_DIR [--record after_rl]
+    python benchmarks/bench_trl_grpo.py paired --a DIR... --b DIR... [--record after_rl]
+                                                  # B - A per problem, per seed and pooled
 
 `all` runs the three in that order and writes the table. Every run writes
 `<out-dir>/<name>.json`; `table` writes `compare.json` and `compare.md`.
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import subprocess
@@ -79,6 +81,14 @@ def driver_command(preset: str, out: str, sets: list[str], *, mcore_dir: str,
             *[a for s in sets for a in ("--set", s)]]
 
 
+def _correct(acc, n: int) -> tuple[int, int]:
+    """(correct, n) from an accuracy over n problems; (0, 0) for a run without the evaluation
+    (train.eval_prompts=0: summary.json's accuracy is NaN)."""
+    if not n or acc is None or math.isnan(acc):
+        return (0, 0)
+    return (round(acc * n), n)
+
+
 def summarize_driver(name: str, run_dir: str) -> dict:
     """One driver run's numbers from its metrics.jsonl, summary.json and config.yaml."""
     import yaml
@@ -100,7 +110,7 @@ def summarize_driver(name: str, run_dir: str) -> dict:
     return tc.run_summary(
         name, [r["time/iteration_s"] for r in its],
         [round(r["rollout/response_len"] * r["rollout/num_samples"]) for r in its],
-        (round(summary["greedy_acc_before_rl"] * n), n), (round(summary["greedy_acc_after_rl"] * n), n),
+        _correct(summary.get("greedy_acc_before_rl"), n), _correct(summary.get("greedy_acc_after_rl"), n),
         shared=shared, phases=phases, reward_mean=[r["reward/mean"] for r in its],
         engine="vLLM CPU server (fp32) + megatron-core trainer", run_dir=run_dir)
 
@@ -257,18 +267,31 @@ def cmd_eval(a) -> None:
         _write(a.out_dir, a.into, res)
 
 
-def cmd_paired(a) -> None:
-    """Per problem, run B's evaluation `--record` against run A's (same problems): the
-    difference B - A with its bootstrap interval and McNemar p (evaluation.summarize_heldout)."""
+def cmd_paired(a) -> dict:
+    """Per problem, run B's evaluation `--record` against run A's (same problems): for each
+    pair of directories (one seed each) the difference B - A with its bootstrap interval and
+    McNemar p (evaluation.summarize_heldout), and over the pairs the difference pooled by problem
+    (analysis/learning.py `pooled_gain`: mean over pairs, bootstrap over problems, sign-flip p)."""
+    from megatron_pdm.analysis.learning import pooled_gain
     from megatron_pdm.train import evaluation as ev
 
-    ra, rb = ev.read_records(a.a)[a.record], ev.read_records(a.b)[a.record]
-    out = ev.summarize_heldout({"A": ra, "B": rb}, start="A", end="B")
-    out["A"], out["B"], out["record"] = a.a, a.b, a.record
-    print(json.dumps(out["gain"], indent=1))
+    if len(a.a) != len(a.b):
+        raise ValueError(f"--a has {len(a.a)} directories and --b {len(a.b)}: one pair per seed")
+    pairs, runs = [], []
+    for da, db in zip(a.a, a.b):
+        ra, rb = ev.read_records(da).get(a.record), ev.read_records(db).get(a.record)
+        if ra is None or rb is None:
+            raise ValueError(f"no {a.record!r} record in {da if ra is None else db}")
+        s = ev.summarize_heldout({"A": ra, "B": rb}, start="A", end="B")
+        pairs.append({"A": da, "B": db, "gain": s["gain"]})
+        runs.append({"dir": db, "seed": len(runs), "records": {"A": ra, "B": rb}})
+    out = {"record": a.record, "pairs": pairs,
+           "pooled": pooled_gain(runs, start="A", end="B")}
+    print(json.dumps(out["pooled"], indent=1))
     if a.out:
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)
+    return out
 
 
 # ---------------------------------------------------------------- table
@@ -334,8 +357,10 @@ def main(argv=None) -> None:
                            help="use the first N iterations of every run (accuracy only where a "
                            "run had exactly N)")
     s = sub.add_parser("paired", help="per-problem difference of two evaluation directories")
-    s.add_argument("--a", required=True, help="eval directory A (the reference)")
-    s.add_argument("--b", required=True, help="eval directory B")
+    s.add_argument("--a", nargs="+", required=True,
+                   help="eval directories of side A (the reference), one per seed")
+    s.add_argument("--b", nargs="+", required=True,
+                   help="eval directories of side B, in the same seed order")
     s.add_argument("--record", default="after_rl")
     s.add_argument("--out", default=None)
     a = p.parse_args(argv)

@@ -137,19 +137,34 @@ def test_eval_into_takes_the_sides_accuracies_from_the_vllm_records(tmp_path):
     assert res["eval"]["heldout"]["gain"]["greedy"]["gain"] == pytest.approx(0.5)
 
 
-def test_paired_compares_two_runs_problem_by_problem(tmp_path):
+def test_paired_compares_runs_problem_by_problem_per_seed_and_pooled(tmp_path):
     from megatron_pdm.train import evaluation as ev
 
     b = _bench()
-    ev.append_record(str(tmp_path / "a"), _record("after_rl", [1, 1, 0, 0, 1], [1, 0, 0, 0, 1]))
-    ev.append_record(str(tmp_path / "b"), _record("after_rl", [1, 0, 1, 1, 1], [0, 0, 1, 1, 1]))
+    for name, greedy in (("a1", [1, 1, 0, 0, 1]), ("b1", [1, 0, 1, 1, 1]),
+                         ("a2", [0, 0, 0, 0, 1]), ("b2", [0, 0, 0, 1, 1])):
+        ev.append_record(str(tmp_path / name), _record("after_rl", greedy, greedy))
     out = tmp_path / "p.json"
-    b.cmd_paired(SimpleNamespace(a=str(tmp_path / "a"), b=str(tmp_path / "b"),
+    b.cmd_paired(SimpleNamespace(a=[str(tmp_path / "a1"), str(tmp_path / "a2")],
+                                 b=[str(tmp_path / "b1"), str(tmp_path / "b2")],
                                  record="after_rl", out=str(out)))
-    gain = json.loads(out.read_text())["gain"]
-    assert gain["greedy"]["gain"] == pytest.approx(0.2)  # B - A
-    assert (gain["greedy"]["gained"], gain["greedy"]["lost"]) == (2, 1)
+    res = json.loads(out.read_text())
+    g1 = res["pairs"][0]["gain"]["greedy"]
+    assert g1["gain"] == pytest.approx(0.2) and (g1["gained"], g1["lost"]) == (2, 1)  # B - A
+    assert res["pairs"][1]["gain"]["greedy"]["gain"] == pytest.approx(0.2)
+    assert res["pooled"]["greedy"]["gain"] == pytest.approx(0.2)  # mean over the two seeds
+    assert res["pooled"]["problems"] == 5
     ev.append_record(str(tmp_path / "c"), _record("after_rl", [1, 0, 1], [0, 0, 1]))
     with pytest.raises(ValueError, match="different problems"):
-        b.cmd_paired(SimpleNamespace(a=str(tmp_path / "a"), b=str(tmp_path / "c"),
+        b.cmd_paired(SimpleNamespace(a=[str(tmp_path / "a1")], b=[str(tmp_path / "c")],
                                      record="after_rl", out=None))
+    with pytest.raises(ValueError, match="one pair per seed"):
+        b.cmd_paired(SimpleNamespace(a=[str(tmp_path / "a1")], b=[], record="after_rl",
+                                     out=None))
+
+
+def test_a_driver_run_without_evaluation_has_no_accuracy():
+    b = _bench()
+    assert b._correct(float("nan"), 0) == (0, 0)  # train.eval_prompts=0: summary's NaN
+    assert b._correct(None, 64) == (0, 0)
+    assert b._correct(0.165, 200) == (33, 200)
