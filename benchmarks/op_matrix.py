@@ -45,7 +45,7 @@ if str(ROOT) not in sys.path:
 
 from megatron_pdm.arch import vocab_shard_width  # noqa: E402 (pure: no torch)
 from megatron_pdm.analysis import doc_blocks  # noqa: E402 (stdlib only)
-from megatron_pdm.hostinfo import cpu_model  # noqa: E402
+from megatron_pdm.hostinfo import cpu_id, cpu_model  # noqa: E402
 
 VOCABS = {"real": 49152, "qwen3": 151936}
 """The vocabularies of the matrix: the real model's (SmolLM2-135M-Instruct) and Qwen3's."""
@@ -118,7 +118,7 @@ def run(out: str, *, dtypes, tokens, threads, reps: dict[int, int], until: str |
                 continue
             with open(path) as f:
                 rows = [json.loads(line) for line in f if line.strip()]
-        extra = dict(vocab_name=cell["vocab"], cpu_model=cpu_model(),
+        extra = dict(vocab_name=cell["vocab"], cpu_model=cpu_model(), cpu_id=cpu_id(),
                      load_before=load_before, load_after=os.getloadavg()[0],
                      finished_utc=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"))
         with open(out, "a") as f:
@@ -162,7 +162,8 @@ def table(rows: list[dict]) -> str:
             f"| **{_fmt(r['vs_ce_paired'])}** | {_fmt(r.get('vs_ce_paired_cpu', math.nan))} "
             f"| {_fmt(r['vs_ce'])} | {mem} "
             f"| {_fmt(r['mem_vs_ce'])} | {r['reps']} "
-            f"| {r['load_before']:.1f}-{r['load_after']:.1f} | {r['cpu_model']} |")
+            f"| {r['load_before']:.1f}-{r['load_after']:.1f} | {r['cpu_model']}"
+            f"{' (' + r['cpu_id'] + ')' if r.get('cpu_id') else ''} |")
     return "\n".join(out) + "\n"
 
 
