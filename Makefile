@@ -118,21 +118,29 @@ real-model: $(STAMP)
 # to a megatron-core checkpoint at TP 1 once (REAL_MCORE), serves the HF directory with vLLM
 # (fp32, 512-token context) and trains one process against it, weights pushed every iteration;
 # output in runs/real_cpu. Not the main job: the tiny demo stays `make demo`.
+# Cores: rollout and training step take turns (rollout.overlap is off in this config), so each
+# phase gets every core: the trainer THREADS (default 2) torch threads, vLLM's CPU worker
+# VLLM_RESERVED=0 reserved cores (VLLM_CPU_NUM_OF_RESERVED_CPU; vLLM's own default reserves one).
+# 0.60-0.77x the time per iteration of the old split (trainer 1 thread, vLLM one core), with the
+# same samples and evaluations (docs/real-model.md, "Where an iteration's time goes"). With
+# rollout.overlap=true use THREADS=1 VLLM_RESERVED=1: one core each.
 REAL_MCORE ?= .cache/real-model/smollm2-135m-instruct-mcore
+VLLM_RESERVED ?= 0
 demo-real: real-model vllm-venv
 	test -f $(REAL_MCORE)/pdm_model.json || $(VPY) -m megatron_pdm.tools.convert_hf_to_megatron \
 		--hf-dir $(REAL_MODEL) --out $(REAL_MCORE) --tp 1
+	VLLM_CPU_NUM_OF_RESERVED_CPU=$(VLLM_RESERVED) \
 	$(VPY) -m megatron_pdm.train.rollout.vllm_server --config examples/real_cpu/config.yaml \
 		--set rollout.vllm.url=http://127.0.0.1:0 --model-dir $(REAL_MODEL) \
 		--max-model-len 512 --kv-cache-mb 512 -- \
-		env OMP_NUM_THREADS=$(or $(THREADS),1) $(VENV)/bin/torchrun --nproc-per-node 1 \
+		env OMP_NUM_THREADS=$(or $(THREADS),2) $(VENV)/bin/torchrun --nproc-per-node 1 \
 		$(TORCHRUN_PORT) -m megatron_pdm.train \
 		--config examples/real_cpu/config.yaml --set "rollout.vllm.url={vllm_url}" \
 		--set checkpoint.load_dir=$(REAL_MCORE) --set task.tokenizer_dir=$(REAL_MODEL) \
 		--set checkpoint.allow_fresh_start=true $(ARGS)
 
 # make real-learn [SEEDS="1 2 3"]: the real model's learning run (docs/real-model.md, "A run
-# that learns"): `make demo-real` with LEARN_ARGS once per seed (runs/real_learn/seed<k>, ~40 min
+# that learns"): `make demo-real` with LEARN_ARGS once per seed (runs/real_learn/seed<k>, 9-40 min
 # each on 2 quiet cores), then the seeds' held-out gains with intervals (tools/learning_report)
 # into results/real_learning. LEARN_ARGS is what results/real_learning/PREREGISTRATION.md fixed.
 SEEDS ?= 1 2 3

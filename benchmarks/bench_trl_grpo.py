@@ -120,7 +120,10 @@ def cmd_driver(a) -> dict:
     name = a.name or f"driver-{a.preset}"
     if not a.summarize_only:
         cmd = driver_command(a.preset, out, a.set, mcore_dir=a.mcore_dir, threads=a.threads)
-        env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), PYTHONPATH=str(ROOT))
+        # rollout and step take turns (rollout.overlap off): each phase gets every core unless
+        # --vllm-reserved keeps some from vLLM's worker (Makefile demo-real, VLLM_RESERVED)
+        env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), PYTHONPATH=str(ROOT),
+                   VLLM_CPU_NUM_OF_RESERVED_CPU=str(a.vllm_reserved))
         t0 = time.time()
         subprocess.run(cmd, cwd=ROOT, env=env, check=True)
         print(f"driver {a.preset}: {time.time() - t0:.0f} s from the command to the end")
@@ -334,7 +337,11 @@ def main(argv=None) -> None:
             s.add_argument("--run-dir", default=None)
             s.add_argument("--name", default=None)
             s.add_argument("--mcore-dir", default=MCORE_DIR)
-            s.add_argument("--threads", type=int, default=1)
+            s.add_argument("--threads", type=int, default=2,
+                           help="the driver's trainer threads (make demo-real's default)")
+            s.add_argument("--vllm-reserved", type=int, default=0,
+                           help="VLLM_CPU_NUM_OF_RESERVED_CPU for the driver's vLLM server (0: "
+                           "its worker gets every core; vLLM's own default reserves one)")
             s.add_argument("--summarize-only", action="store_true")
         if name in ("trl", "all"):
             s.add_argument("--trl-threads", type=int, default=2)

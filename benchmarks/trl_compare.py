@@ -19,17 +19,20 @@ SHARED_KEYS = ("seed", "iterations", "prompts_per_iteration", "group_size", "max
                "microbatches", "eval_prompts", "max_operand", "heldout_fraction")
 
 DIFFERENCES = (
-    "generation: this project's driver samples with a vLLM CPU server (fp32, its own process on "
-    "the second core) and pushes the trainer's weights to it after every step; TRL generates "
-    "with HF transformers `generate` inside the training process (TRL's vLLM modes need CUDA)",
+    "generation: this project's driver samples with a vLLM CPU server (fp32, its own process) "
+    "and pushes the trainer's weights to it after every step; TRL generates with HF transformers "
+    "`generate` inside the training process (TRL's vLLM modes need CUDA)",
     "trainer: megatron-core GPT model (TP 1, fp32) against the HF LlamaForCausalLM (fp32, sdpa)",
-    "threads: the driver's trainer has OMP_NUM_THREADS=1 and vLLM's worker one core; TRL's single "
-    "process gets torch threads = the `--trl-threads` value (2 by default: the same 2 cores)",
+    "threads: rollout and step take turns on both sides; the driver's trainer has "
+    "OMP_NUM_THREADS=`--threads` (2 by default) and vLLM's worker VLLM_CPU_NUM_OF_RESERVED_CPU="
+    "`--vllm-reserved` (0 by default: every core); TRL's single process gets torch threads = "
+    "`--trl-threads` (2 by default): the same 2 cores",
     "loss: the driver's GRPO preset clips pi/mu with mu = vLLM's sampling log-probs; TRL's with "
     "num_iterations=1 uses its own detached log-probs (ratio exactly 1); PDM adds its trust "
     "region on the top-K support",
-    "evaluation: greedy, the same held-out problems; the driver evaluates through vLLM, TRL's "
-    "side through HF generate",
+    "evaluation: the same held-out problems; the driver evaluates through vLLM in its run "
+    "(greedy, and sampled with train.eval_samples); TRL's side through HF generate (greedy), or, "
+    "after `eval`, its saved weights through the driver's own vLLM evaluation (trl.json 'eval')",
 )
 
 
