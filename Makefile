@@ -120,12 +120,13 @@ real-model: $(STAMP)
 # output in runs/real_cpu. Not the main job: the tiny demo stays `make demo`.
 # Cores: rollout and training step take turns (rollout.overlap is off in this config), so each
 # phase gets every core: the trainer THREADS (default 2) torch threads, vLLM's CPU worker
-# VLLM_RESERVED=0 reserved cores (VLLM_CPU_NUM_OF_RESERVED_CPU; vLLM's own default reserves one).
+# VLLM_RESERVED=0 reserved cores (VLLM_CPU_NUM_OF_RESERVED_CPU, which also sets it; vLLM's
+# own default reserves one).
 # 0.60-0.77x the time per iteration of the old split (trainer 1 thread, vLLM one core), with the
 # same samples and evaluations (docs/real-model.md, "Where an iteration's time goes"). With
 # rollout.overlap=true use THREADS=1 VLLM_RESERVED=1: one core each.
 REAL_MCORE ?= .cache/real-model/smollm2-135m-instruct-mcore
-VLLM_RESERVED ?= 0
+VLLM_RESERVED ?= $(or $(VLLM_CPU_NUM_OF_RESERVED_CPU),0)
 demo-real: real-model vllm-venv
 	test -f $(REAL_MCORE)/pdm_model.json || $(VPY) -m megatron_pdm.tools.convert_hf_to_megatron \
 		--hf-dir $(REAL_MODEL) --out $(REAL_MCORE) --tp 1

@@ -46,6 +46,7 @@ import trl_compare as tc  # noqa: E402
 CONFIG = "examples/real_cpu/config.yaml"
 MODEL_DIR = ".cache/real-model/smollm2-135m-instruct"
 MCORE_DIR = ".cache/real-model/smollm2-135m-instruct-mcore"
+VPY = str(ROOT / ".venv/bin/python")  # the project's venv (TRL's side runs from .venv-trl)
 
 
 def _machine() -> dict:
@@ -65,13 +66,18 @@ def _driver_config(sets: list[str]) -> dict:
 
 # ---------------------------------------------------------------- the driver
 
+def _served(model_dir: str, sets: list[str]) -> list[str]:
+    """The launcher prefix that serves `model_dir` as `make demo-real` does (fp32, 512-token
+    context) and runs the command after it with `{vllm_url}` filled in."""
+    return [VPY, "-m", "megatron_pdm.train.rollout.vllm_server", "--config", CONFIG,
+            "--set", "rollout.vllm.url=http://127.0.0.1:0", *sets, "--model-dir", model_dir,
+            "--max-model-len", "512", "--kv-cache-mb", "512", "--"]
+
+
 def driver_command(preset: str, out: str, sets: list[str], *, mcore_dir: str,
                    threads: int) -> list[str]:
     """`make demo-real`'s command (Makefile) with the preset, output dir and overrides."""
-    vpy = str(ROOT / ".venv/bin/python")
-    return [vpy, "-m", "megatron_pdm.train.rollout.vllm_server", "--config", CONFIG,
-            "--set", "rollout.vllm.url=http://127.0.0.1:0", "--model-dir", MODEL_DIR,
-            "--max-model-len", "512", "--kv-cache-mb", "512", "--",
+    return [*_served(MODEL_DIR, []),
             "env", f"OMP_NUM_THREADS={threads}", str(ROOT / ".venv/bin/torchrun"),
             "--nproc-per-node", "1", "--standalone", "--local-addr", "127.0.0.1",
             "-m", "megatron_pdm.train", "--config", CONFIG,
@@ -237,12 +243,8 @@ def eval_command(model_dir: str, eval_dir: str, name: str, sets: list[str]) -> l
     """Serve `model_dir` (fp32, as `make demo-real` serves the model) and run the driver's
     held-out evaluation on it (megatron_pdm/tools/eval_heldout.py), record `name` into
     `eval_dir`/eval.jsonl."""
-    vpy = str(ROOT / ".venv/bin/python")
     over = [x for s in sets for x in ("--set", s)]
-    return [vpy, "-m", "megatron_pdm.train.rollout.vllm_server", "--config", CONFIG,
-            "--set", "rollout.vllm.url=http://127.0.0.1:0", *over, "--model-dir", model_dir,
-            "--max-model-len", "512", "--kv-cache-mb", "512", "--",
-            vpy, "-m", "megatron_pdm.tools.eval_heldout", "--config", CONFIG,
+    return [*_served(model_dir, over), VPY, "-m", "megatron_pdm.tools.eval_heldout", "--config", CONFIG,
             "--set", "rollout.vllm.url={vllm_url}", "--set", f"task.tokenizer_dir={MODEL_DIR}",
             *over, "--output-dir", eval_dir, "--name", name]
 

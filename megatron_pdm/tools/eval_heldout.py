@@ -43,23 +43,13 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def _client(cfg, vocab_size):
-    from rollout_bridge.core.apikey import read_api_key
-    from rollout_bridge.vllm.client import VLLMEngine
-
-    r = cfg.rollout
-    return VLLMEngine(r.vllm.url, top_logprobs=r.top_logprobs,
-                      api_key=read_api_key(r.vllm.api_key_env), timeout_s=r.timeout_s,
-                      max_retries=r.max_retries, seed=cfg.seed, vocab_size=vocab_size,
-                      raise_on_failure=True)
-
-
 def evaluate(cfg, output_dir: str, *, name: str, iteration: int) -> dict:
     """Evaluates the model served at cfg.rollout.vllm.url on cfg's held-out problems; appends the
     record to output_dir/eval.jsonl and returns {"record": ..., "server": ..., "seconds": ...}."""
     from megatron_pdm.configtree import ConfigError
     from megatron_pdm.train import evaluation as ev
     from megatron_pdm.train.rollout.feed import sampling_params
+    from megatron_pdm.train.rollout.vllm import vllm_client
     from megatron_pdm.train.task import build_task
 
     if cfg.rollout.engine != "vllm":
@@ -71,8 +61,8 @@ def evaluate(cfg, output_dir: str, *, name: str, iteration: int) -> dict:
     task = build_task(cfg)
     problems = task.eval_problems(cfg.seed, t.eval_prompts)
     # the server's own vocabulary (a model may pad its output layer beyond the tokenizer's)
-    info = _client(cfg, None).check_server()
-    client = _client(cfg, info["facts"][0].get("vocab_size"))
+    info = vllm_client(cfg, None).check_server()
+    client = vllm_client(cfg, info["facts"][0].get("vocab_size"))
 
     def generate(probs, temperature, n):
         return client.generate([task.prompt_ids(q) for q in probs],

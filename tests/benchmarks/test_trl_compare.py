@@ -168,3 +168,25 @@ def test_a_driver_run_without_evaluation_has_no_accuracy():
     assert b._correct(float("nan"), 0) == (0, 0)  # train.eval_prompts=0: summary's NaN
     assert b._correct(None, 64) == (0, 0)
     assert b._correct(0.165, 200) == (33, 200)
+
+
+@pytest.mark.parametrize("argv,threads,reserved", [([], "2", "0"),
+                                                   (["--threads", "1", "--vllm-reserved", "1"],
+                                                    "1", "1")])
+def test_the_driver_side_gets_the_cores_asked_for(monkeypatch, argv, threads, reserved):
+    b = _bench()
+    seen = {}
+
+    class Launched(Exception):
+        pass
+
+    def fake_run(cmd, cwd, env, check):
+        seen["cmd"], seen["env"] = cmd, env
+        raise Launched
+
+    monkeypatch.setattr(b.subprocess, "run", fake_run)
+    with pytest.raises(Launched):
+        b.main(["driver", "--preset", "grpo", *argv])
+    assert seen["env"]["OMP_NUM_THREADS"] == threads
+    assert seen["env"]["VLLM_CPU_NUM_OF_RESERVED_CPU"] == reserved
+    assert f"OMP_NUM_THREADS={threads}" in seen["cmd"]  # the trainer's own env in the command

@@ -126,3 +126,25 @@ def test_real_cpu_config():
         task = build_task(cfg)
         assert task.vocab_size == 49152 and task.max_new_tokens == cfg.rollout.max_new_tokens
         assert "<|im_start|>assistant\n" in task.tokenizer.decode(task.prompt_ids(0))
+
+
+@pytest.mark.parametrize("args,threads,reserved", [
+    ([], "2", "0"),                                    # both cores to each phase (the default)
+    (["THREADS=1", "VLLM_RESERVED=1"], "1", "1"),      # the old split: one core each
+    (["VLLM_CPU_NUM_OF_RESERVED_CPU=1"], "2", "1"),    # vLLM's own variable is honoured
+])
+def test_demo_real_gives_each_phase_the_cores_asked_for(args, threads, reserved):
+    import os
+    import re
+    import shutil
+    import subprocess
+
+    if shutil.which("make") is None:
+        pytest.skip("no make")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("THREADS", "VLLM_RESERVED", "VLLM_CPU_NUM_OF_RESERVED_CPU")}
+    out = subprocess.run(["make", "-n", "demo-real", *args], cwd=ROOT, env=env,
+                         capture_output=True, text=True, check=True).stdout
+    server = out[max(0, out.index("megatron_pdm.train.rollout.vllm_server") - 400):]
+    assert re.search(rf"VLLM_CPU_NUM_OF_RESERVED_CPU={reserved}\b", server)
+    assert re.search(rf"env OMP_NUM_THREADS={threads}\b", server)

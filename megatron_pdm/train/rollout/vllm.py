@@ -35,6 +35,26 @@ import torch
 logger = logging.getLogger(__name__)
 
 
+def vllm_client(cfg, vocab_size: int | None):
+    """The `VLLMEngine` of a run config's `rollout.vllm` section (the run's rollouts, and
+    megatron-pdm-eval-heldout's evaluation of a served model); `vocab_size` None: unchecked."""
+    from rollout_bridge.core.apikey import read_api_key
+    from rollout_bridge.vllm.client import VLLMEngine
+
+    r = cfg.rollout
+    key = read_api_key(r.vllm.api_key_env)
+    if key is None:
+        logger.warning("rollout.vllm.api_key_env=%s is not set: requests carry no API key",
+                       r.vllm.api_key_env)
+    return VLLMEngine(
+        r.vllm.url, top_logprobs=r.top_logprobs, api_key=key, timeout_s=r.timeout_s,
+        max_retries=r.max_retries, seed=cfg.seed, vocab_size=vocab_size,
+        raise_on_failure=True, recover_timeout_s=r.vllm.restart_wait_s,
+        pause_wait_s=r.vllm.pause_wait_s,
+        allow_insecure_dev_routes=r.vllm.allow_insecure_dev_routes,
+        push_dir=r.vllm.push_dir)
+
+
 class VLLMGlue:
     """vLLM's part of a `ServerRollout` (server.py `EngineGlue`): the client, the start-up
     facts, the in-memory push and the client's request-seed counter."""
@@ -52,21 +72,7 @@ class VLLMGlue:
         self.last_push: dict = {}
 
     def make_client(self):
-        from rollout_bridge.core.apikey import read_api_key
-        from rollout_bridge.vllm.client import VLLMEngine
-
-        r = self.cfg.rollout
-        key = read_api_key(r.vllm.api_key_env)
-        if key is None:
-            logger.warning("rollout.vllm.api_key_env=%s is not set: requests carry no API key",
-                           r.vllm.api_key_env)
-        return VLLMEngine(
-            r.vllm.url, top_logprobs=r.top_logprobs, api_key=key, timeout_s=r.timeout_s,
-            max_retries=r.max_retries, seed=self.cfg.seed, vocab_size=self.arch.vocab_size,
-            raise_on_failure=True, recover_timeout_s=r.vllm.restart_wait_s,
-            pause_wait_s=r.vllm.pause_wait_s,
-            allow_insecure_dev_routes=r.vllm.allow_insecure_dev_routes,
-            push_dir=r.vllm.push_dir)
+        return vllm_client(self.cfg, self.arch.vocab_size)
 
     def check_server(self, client) -> dict:
         info = client.check_server()
