@@ -24,6 +24,7 @@ from megatron_pdm.parallel.shards import ShardInfo, owned_support
 
 __all__ = [
     "CPU_CHUNK_ELEMS",
+    "CPU_THREADS_CHUNK_ELEMS",
     "NUM_SUM_EXTRA",
     "WIDE_CHUNK_ELEMS",
     "GradRows",
@@ -47,21 +48,26 @@ buffer this small is reused by malloc from call to call. With 64 MiB chunks ever
 fresh pages (a 64 MiB buffer is mmap'ed and faulted in anew each time) and every pass went to
 memory: at N 2048 x V_local 16,384 in bf16 that made the op 1.0-1.2x CE's time (docs/op.md)."""
 
+CPU_THREADS_CHUNK_ELEMS = 1 << 22
+"""Row chunks on a CPU running several threads (16 MiB fp32), also for the in-place exp pass:
+below glibc's 32 MiB mmap threshold, so the buffer is reused rather than faulted in anew, and
+few enough chunks that the parallel regions (one per op per chunk, threads meeting at a
+barrier) stay few. Paired against CE at 2 threads on a quiet 2-core machine it gave 0.60-0.77x
+where 2^24 with an unchunked exp pass gave 0.79-1.15x; on a loaded one it cost what 2^24 did
+and 2^20-2^21 cost 2-3x more (docs/op.md, "Where the bf16 time went")."""
+
 WIDE_CHUNK_ELEMS = 1 << 24
-"""Row chunks on an accelerator or a multi-threaded CPU hold at most this many elements (64 MiB
-fp32): few, large kernels. On a CPU every op of every chunk is one parallel region whose
-threads meet at a barrier, and on a loaded machine a descheduled thread makes each barrier
-cost a scheduler time slice: with 2 threads on a busy 2-core machine, 2^20-element chunks made
-the op several times slower (docs/op.md, "The matrix"). The in-place exp pass is then not
-chunked at all (one region per pass, as before)."""
+"""Row chunks on an accelerator hold at most this many elements (64 MiB fp32): few, large
+kernels; the in-place exp pass is then not chunked at all (one kernel per pass)."""
 
 
 def default_chunk_elems(device: torch.device, *, in_storage: bool = False) -> int:
-    """The row-chunk bound used when the caller gives none: `CPU_CHUNK_ELEMS` on a CPU running
-    one thread, else `WIDE_CHUNK_ELEMS` (unbounded for the in-place exp pass, `in_storage`).
-    Only the chunk size differs; the code path is the same."""
-    if torch.device(device).type == "cpu" and torch.get_num_threads() == 1:
-        return CPU_CHUNK_ELEMS
+    """The row-chunk bound used when the caller gives none: on a CPU `CPU_CHUNK_ELEMS` with one
+    thread and `CPU_THREADS_CHUNK_ELEMS` with more, on an accelerator `WIDE_CHUNK_ELEMS`
+    (unbounded for the in-place exp pass, `in_storage`). Only the chunk size differs; the code
+    path is the same, and every row's reductions stay inside one chunk, so no bit changes."""
+    if torch.device(device).type == "cpu":
+        return CPU_CHUNK_ELEMS if torch.get_num_threads() == 1 else CPU_THREADS_CHUNK_ELEMS
     return 1 << 62 if in_storage else WIDE_CHUNK_ELEMS
 
 

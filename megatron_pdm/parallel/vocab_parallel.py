@@ -32,7 +32,8 @@ Passes over the [N, V_l] shard (R read, W write), per path:
 (the forward's shift/exp/sum/norm and the backward's passes go row chunk by row chunk, at most
 `chunk_elems` elements each: on a CPU running one thread 2^20, so the passes of one chunk run in
 the cache and the bf16 upcast is a cache-resident copy; CE's fresh fp32 copy of the whole shard is
-what costs it most on a CPU, page faults included; elsewhere 2^24, few large kernels).
+what costs it most on a CPU, page faults included; on a CPU running more threads 2^22, a buffer
+malloc reuses and few parallel regions; on an accelerator 2^24, few large kernels).
 
 Backward is the cross-entropy backward of the sampled token only:
 d log pi_k / d logits = (onehot_k - softmax) / temperature, local to each shard. Every other
@@ -42,7 +43,7 @@ the support and g (1 - pi_k) / T = g e^{log Z_-k - log Z} / T on k (no 1 - pi_k 
 Memory: by default the op saves the logits tensor by reference (no copy) plus [N, S] vectors, and
 *recomputes* the softmax chunk by chunk in backward instead of keeping an fp32 [N, Vl] softmax.
 Forward uses one reusable fp32 row-chunk buffer of at most `chunk_elems` elements (default 2^20
-= 4 MiB on a one-thread CPU, else 2^24 = 64 MiB); the only full-size allocation is the gradient, in the logits' dtype. The masking of the
+= 4 MiB on a one-thread CPU, 2^22 = 16 MiB with more threads, 2^24 = 64 MiB on an accelerator); the only full-size allocation is the gradient, in the logits' dtype. The masking of the
 caller's logits during forward is undone bit-exactly before forward returns (through `.data`, so
 autograd's version counter is not bumped). `inplace=True` (fp32/fp64; what the Megatron adapter
 uses) works in the logits' storage like Megatron's CE: forward leaves exp(z/T - t) there (0 on the
@@ -205,7 +206,8 @@ def token_stats(
         chunk_elems: bound on the elements of a row chunk (the fp32 working buffer of the
             default paths; the exp pass of the in-place path); None: `default_chunk_elems` of
             the logits' device (parallel/shard_math.py: 2^20 on a CPU running one thread,
-            else 2^24, and the in-place exp pass unchunked).
+            2^22 with more threads, 2^24 on an accelerator with the in-place exp pass
+            unchunked).
         inplace: fp32/fp64 logits only (ignored for bf16/fp16, which need an fp32 working copy
             anyway): like Megatron's CE, forward overwrites the logits' real columns with
             exp(z/T - t) and backward overwrites them with the gradient. One exp pass instead of
