@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_pdm.convert.tiny import make_tiny_dense_hf
-from tests.support._dist import run_gloo
+from tests.support._dist import run_gloo, run_tool
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
 FAMILIES = ("llama", "qwen3")
@@ -41,8 +41,9 @@ def dense(tmp_path_factory):
     for family in FAMILIES:
         root = tmp_path_factory.mktemp(f"dense_{family}")
         make_tiny_dense_hf(root / "hf", family)
-        _tool("convert_hf_to_megatron").convert_hf_to_megatron(
-            str(root / "hf"), str(root / "tp2"), tp=2)
+        # on the session's gloo workers (the tool's own spawn: tests/convert/test_round_trip.py)
+        run_tool(_tool("convert_hf_to_megatron").convert_hf_to_megatron, 2,
+                 str(root / "hf"), str(root / "tp2"), tp=2)
         out[family] = (root / "hf", root / "tp2")
     return out
 
@@ -72,8 +73,8 @@ def test_tp2_round_trip_is_bit_exact_and_logits_match(dense, family, tmp_path):
 @pytest.mark.gloo
 def test_llama_pp2_import_round_trips(dense, tmp_path):
     hf_dir, _ = dense["llama"]
-    _tool("convert_hf_to_megatron").convert_hf_to_megatron(str(hf_dir), str(tmp_path / "pp2"),
-                                                           pp=2)
+    run_tool(_tool("convert_hf_to_megatron").convert_hf_to_megatron, 2, str(hf_dir),
+             str(tmp_path / "pp2"), pp=2)
     _tool("convert_megatron_to_hf").convert_megatron_to_hf(str(tmp_path / "pp2"),
                                                            str(tmp_path / "back"))
     src, dst = _tensors(hf_dir), _tensors(tmp_path / "back")

@@ -17,6 +17,7 @@ import os
 
 import pytest
 
+from tests.support._dist import run_tool
 from tests.support._launch import launch
 
 pytestmark = [pytest.mark.megatron, pytest.mark.slow]
@@ -30,7 +31,7 @@ def test_dense_tied_llama_trains_from_a_converted_checkpoint(tmp_path):
     from megatron_pdm.tools.convert_hf_to_megatron import convert_hf_to_megatron
 
     make_tiny_dense_hf(tmp_path / "hf", "llama")
-    convert_hf_to_megatron(str(tmp_path / "hf"), str(tmp_path / "mcore"), tp=2)
+    run_tool(convert_hf_to_megatron, 2, str(tmp_path / "hf"), str(tmp_path / "mcore"), tp=2)
     arch = ModelArch.from_hf_config(read_hf_config(tmp_path / "hf"))
     tokens = format_arch(arch, "sets").split("\n")
     model_sets = [tok for tok in tokens if tok != "--set"]
