@@ -61,7 +61,7 @@ MCORE_LATEST_TESTS ?= tests/mcore tests/convert tests/parallel/test_collective_b
 MCORE_LATEST_ENV    = WITH_TRITON=0 PYTEST_OPTS=-q
 
 test: $(STAMP)
-	@mkdir -p .cache; scripts/sglang_api_env.sh > .cache/sglang_api_env.log 2>&1 & sg=$$!; \
+	@t0=$$(date +%s); mkdir -p .cache; scripts/sglang_api_env.sh > .cache/sglang_api_env.log 2>&1 & sg=$$!; \
 	scripts/verl_env.sh > .cache/verl_env.log 2>&1 & vl=$$!; \
 	if [ "$(MCORE_LATEST)" = 1 ]; then $(MCORE_LATEST_ENV) SETUP_ONLY=1 scripts/check_mcore_latest.sh \
 		> .cache/mcore_latest_env.log 2>&1 & ml=$$!; fi; \
@@ -79,8 +79,10 @@ test: $(STAMP)
 	if $(MAKE) --no-print-directory real-model > .cache/real_model.log 2>&1; then rm=1; else rm=0; \
 		tail -n 20 .cache/real_model.log; echo "make test: make real-model failed (log:" \
 		".cache/real_model.log); the real-model tests will be skipped"; fi; \
+	echo "make test: environments ready in $$(( $$(date +%s) - t0 )) s"; \
 	PDM_REQUIRE_SGLANG_API=$$req PDM_REQUIRE_VERL=$$vreq PDM_REQUIRE_REAL_MODEL=$$rm $(VPY) -m pytest -q -m "not gpu" --durations=40 \
 		tests $(ARGS) || exit 1; \
+	echo "make test: $$(( $$(date +%s) - t0 )) s so far"; \
 	if [ "$(MCORE_LATEST)" = 1 ]; then echo "make test: megatron-core 0.19.2 (Python 3.12):" \
 		"$(MCORE_LATEST_TESTS)"; $(MCORE_LATEST_ENV) scripts/check_mcore_latest.sh \
 		$(MCORE_LATEST_TESTS); fi
