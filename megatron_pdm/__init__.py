@@ -26,11 +26,15 @@ from __future__ import annotations
 
 import importlib
 
+from megatron_pdm.cpu_jit import install as _cpu_jit
 from megatron_pdm.triton_stub import stub_triton_paged_stash as _stub_triton
 
 # megatron-core 0.19 without triton: before any megatron import of this process
 # (megatron_pdm/triton_stub.py says why here). Inert with triton or megatron-core 0.16.
 _stub_triton()
+# megatron's jit_fuser (torch.compile) as its no-op decorator where there is no GPU
+# (megatron_pdm/cpu_jit.py). Inert with a GPU.
+_cpu_jit()
 
 _EXPORTS = {
     "PRESETS": "megatron_pdm.config",

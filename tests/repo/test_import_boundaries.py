@@ -31,10 +31,12 @@ PAGED_STASH = "megatron.core.transformer.moe.ops.paged_stash"  # megatron_pdm/tr
 
 # unit -> units it may import (besides itself). "face" is megatron_pdm/__init__.
 PURE = {"configtree", "configfile", "fsutil", "arch", "layout", "config", "cli", "triton_stub",
+        "cpu_jit",
         "netutil", "significance", "intmath", "hostinfo"}
 ALLOWED = {
-    "face": {"ops", "parallel", "loss", "config", "triton_stub", "metrics", "own_loop"},
+    "face": {"ops", "parallel", "loss", "config", "triton_stub", "cpu_jit", "metrics", "own_loop"},
     "triton_stub": set(),
+    "cpu_jit": set(),
     "configtree": set(),
     "fsutil": set(),
     "configfile": {"configtree", "fsutil"},
