@@ -53,7 +53,7 @@ CPU_THREADS_CHUNK_ELEMS = 1 << 22
 below glibc's 32 MiB mmap threshold, so the buffer is reused rather than faulted in anew, and
 few enough chunks that the parallel regions (one per op per chunk, threads meeting at a
 barrier) stay few. Paired against CE at 2 threads on a quiet 2-core machine it gave 0.60-0.77x
-where 2^24 with an unchunked exp pass gave 0.79-1.15x; on a loaded one it cost what 2^24 did
+where 2^24 with an unchunked exp pass gave 0.74-1.15x; on a loaded one it cost what 2^24 did
 and 2^20-2^21 cost 2-3x more (docs/op.md, "Where the bf16 time went")."""
 
 WIDE_CHUNK_ELEMS = 1 << 24
