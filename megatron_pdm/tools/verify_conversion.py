@@ -8,8 +8,8 @@
 
 The HF model runs with transformers (fp32 on CPU); the megatron checkpoint is loaded at the given
 layout (any TP/EP with PP=1; the checkpoint may have been written at another layout) in
-pp*lcm(tp, ep) spawned gloo ranks (or under torchrun), and its vocab-parallel logits are gathered
-over TP and stripped of the vocab padding. Prompts are seeded random token ids, or with `--text`
+pp*lcm(tp, ep) spawned gloo ranks (or under torchrun, where rank 0 reports), and its
+vocab-parallel logits are gathered over TP and stripped of the vocab padding. Prompts are seeded random token ids, or with `--text`
 real text through the HF directory's own tokenizer (`--prompts`, default `DEFAULT_PROMPTS`;
 `--chat` wraps each in the tokenizer's chat template as a user turn): the prompts are
 right-padded to a common length that TP divides and only their own tokens are compared. Reports
@@ -77,26 +77,27 @@ def verify_conversion(
 ) -> dict:
     """Max |dlogit| and KL between HF and megatron logits on seeded random prompts, or on
     `prompts` (texts) through the HF directory's tokenizer (`chat`: as chat-template user turns).
+
+    Under torchrun, or called on every rank of a formed process group, each rank runs its part of
+    the megatron forward and only rank 0 (the one that holds the gathered logits) compares and
+    returns the result; the other ranks return None.
     """
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from megatron_pdm.convert.checkpoint import megatron_logits_rank
     from megatron_pdm.arch import min_world_size
-    from megatron_pdm.convert.distributed import launch
+    from megatron_pdm.convert.distributed import launch, launch_rank
 
     if prompts is None and seq_len % tp:
         raise ValueError(f"seq_len={seq_len} must be divisible by TP={tp} (sequence parallel)")
-    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, local_files_only=True)
-    hf.eval()
-    if prompts is None:
+    if prompts is None:  # the same seeded ids on every rank
+        vocab = AutoConfig.from_pretrained(hf_dir, local_files_only=True).vocab_size
         gen = torch.Generator().manual_seed(seed)
-        ids_bs = torch.randint(0, hf.config.vocab_size, (num_prompts, seq_len), generator=gen)
+        ids_bs = torch.randint(0, vocab, (num_prompts, seq_len), generator=gen)
         mask_bs = torch.ones_like(ids_bs, dtype=torch.bool)
     else:  # TP divides the length: megatron's sequence parallelism splits the sequence
         ids_bs, mask_bs = tokenize_prompts(hf_dir, prompts, chat=chat, multiple=tp)
-    with torch.no_grad():
-        hf_bsv = hf(input_ids=ids_bs).logits.double()
     with tempfile.TemporaryDirectory() as tmp:
         ids_path, out_path = Path(tmp) / "ids.pt", Path(tmp) / "logits.pt"
         torch.save(ids_bs, ids_path)
@@ -109,7 +110,13 @@ def verify_conversion(
             str(ids_path),
             str(out_path),
         )
+        if launch_rank() != 0:  # rank 0 wrote the gathered logits, into its own folder
+            return None
         mc_bsv = torch.load(out_path).double()
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, local_files_only=True)
+    hf.eval()
+    with torch.no_grad():
+        hf_bsv = hf(input_ids=ids_bs).logits.double()
     if mc_bsv.shape != hf_bsv.shape:
         raise ValueError(
             f"logit shapes differ: HF {tuple(hf_bsv.shape)}, megatron {tuple(mc_bsv.shape)}"
@@ -167,6 +174,8 @@ def main(argv=None) -> int:
         prompts=(args.prompts or list(DEFAULT_PROMPTS)) if args.text else None,
         chat=args.chat,
     )
+    if result is None:  # not rank 0 of a torchrun job: rank 0 reports
+        return 0
     print(json.dumps(result, indent=2))
     bad = result["max_abs_dlogit"] > args.max_dlogit or result["max_kl"] > args.max_kl
     if bad:

@@ -15,6 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.support._dist import run_tool
+
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
@@ -132,9 +134,10 @@ def test_verify_detects_a_wrong_weight(tiny_hf, converted, tmp_path):
         state["model.layers.0.self_attn.o_proj.weight"] * 2
     )
     save_file(state, str(bad / "model.safetensors"), metadata={"format": "pt"})
-    result = _tool("verify_conversion").verify_conversion(
-        str(bad), str(converted), tp=1, ep=2, num_prompts=2, seq_len=16
-    )
+    # on the pooled ranks (the in-group path of a torchrun launch; the tool's own spawn is
+    # test_verify_at_another_layout's)
+    result = run_tool(_tool("verify_conversion").verify_conversion, 2,
+                      str(bad), str(converted), tp=1, ep=2, num_prompts=2, seq_len=16)
     assert result["max_abs_dlogit"] > 1e-2
 
 

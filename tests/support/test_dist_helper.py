@@ -1,5 +1,6 @@
 """run_gloo itself: a failing rank must fail the caller (otherwise the TP tests could not fail);
-the pooled workers are reused, start clean for every call and are replaced after a failure."""
+the pooled workers are reused, start clean for every call and are replaced after a failure
+or when their threads pile up."""
 
 import os
 
@@ -49,3 +50,35 @@ def test_the_pool_is_reused_clean_and_replaced_after_a_failure():
     assert run_tool(os.getpid, 2) != first  # a new pool
     run_gloo(_sees_clean_state, 2)
     run_gloo(_sees_clean_state, 2, fresh=True)
+
+
+def _breaks_the_reset(rank, world):
+    import tests.support._dist as pool_module
+
+    def _boom(env):
+        raise RuntimeError("the reset failed on purpose")
+
+    pool_module._reset = _boom  # in this worker only; the pool is replaced after the failure
+
+
+def _holds_many_threads(rank, world):
+    import threading
+
+    from tests.support._dist import MAX_THREADS
+
+    stop = threading.Event()
+    for _ in range(MAX_THREADS + 1):
+        threading.Thread(target=stop.wait, daemon=True).start()
+
+
+@pytest.mark.gloo
+def test_a_failed_reset_reports_its_traceback_and_a_crowded_worker_retires():
+    with pytest.raises(RuntimeError, match="the reset failed on purpose"):
+        run_gloo(_breaks_the_reset, 2)
+    first = run_tool(os.getpid, 2)
+    run_gloo(_sees_clean_state, 2)  # the new pool resets as before
+    assert run_tool(os.getpid, 2) == first
+    run_gloo(_holds_many_threads, 2)  # succeeds; its workers ask to retire
+    second = run_tool(os.getpid, 2)
+    assert second != first
+    assert run_tool(os.getpid, 2) == second

@@ -10,8 +10,14 @@ minute or more on 2 cores: three processes importing vLLM) overlaps the rest of 
 group with a random API key in its environment, and is stopped (group SIGTERM, then SIGKILL; by
 PID, never by name) when the session ends.
 
+The tests that use the server run after every other test (and those that kill it after them):
+`make test` builds the vLLM venv beside the first tests and names, in PDM_VLLM_VENV_RC, the file
+that scripts/setup_vllm_cpu.sh's exit status goes to once it is done. While that file is absent the
+server is started by a thread as soon as it appears, and `ready_venv_problem` (the fixture, and the
+tests that run the venv's interpreter themselves) waits for it.
+
 Skips: only when the vLLM venv is missing or unstamped (scripts/setup_vllm_cpu.sh failed or was
-not run; `make test` runs it first). PDM_REQUIRE_VLLM=1 turns that skip into a failure.
+not run; `make test` runs it). PDM_REQUIRE_VLLM=1 turns that skip into a failure.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ import atexit
 import os
 import secrets
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -32,6 +40,9 @@ CONFIG = ROOT / "examples" / "tiny_cpu" / "config.yaml"
 MODEL_OVERRIDES = ["model.head_dim=32"]
 KEY_ENV = "PDM_VLLM_API_KEY"
 START_TIMEOUT_S = float(os.environ.get("PDM_VLLM_START_TIMEOUT", "900"))
+BUILD_RC_ENV = "PDM_VLLM_VENV_RC"
+BUILD_TIMEOUT_S = 1800.0
+"""How long a test waits for the venv that `make test` builds beside the tests."""
 
 _STATE: dict = {}
 
@@ -46,14 +57,33 @@ def venv_problem() -> str | None:
     return None
 
 
+def _build_pending() -> bool:
+    rc_file = os.environ.get(BUILD_RC_ENV)
+    return bool(rc_file) and not Path(rc_file).exists()
+
+
+def ready_venv_problem() -> str | None:
+    """`venv_problem()` once the venv that `make test` builds beside the tests is done (waits
+    up to BUILD_TIMEOUT_S for its exit status)."""
+    deadline = time.monotonic() + BUILD_TIMEOUT_S
+    while _build_pending():
+        if time.monotonic() > deadline:
+            return (f"scripts/setup_vllm_cpu.sh gave no exit status in {BUILD_TIMEOUT_S:.0f} s "
+                    f"(no {os.environ[BUILD_RC_ENV]})")
+        time.sleep(1.0)
+    return venv_problem()
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "vllm_server: needs the real vLLM CPU server (.venv-vllm, "
                                        "fixture vllm_server)")
     config.addinivalue_line("markers", "kills_vllm_server: kills the session's vLLM server; "
                                        "ordered after every other test")
+    config.addinivalue_line("markers", "vllm_venv: runs the vLLM venv's interpreter itself "
+                                       "(ready_venv_problem); ordered with the server's users")
 
 
-def _start_server():
+def _prepare_server():
     from megatron_pdm.train.config import RunConfig
     from megatron_pdm.train.rollout.vllm_server.model_dir import prepare_model_dir, run_arch
     from megatron_pdm.train.rollout.vllm_server.process import VLLMServer
@@ -65,21 +95,36 @@ def _start_server():
     key = secrets.token_hex(16)
     server = VLLMServer(model_dir, work, api_key=key, dtype="float32",
                         max_model_len=arch.max_position_embeddings, seed=0)
-    server.start()
     atexit.register(server.stop)
     _STATE.update(server=server, arch=arch, key=key, work=work)
 
 
+def _start_when_built() -> None:
+    """The thread that starts the server once `make test`'s venv build is done (or records why
+    it cannot start)."""
+    try:
+        _STATE["problem"] = ready_venv_problem()
+        if _STATE["problem"] is None and not _STATE.get("finished"):
+            _STATE["server"].start()
+    except Exception as exc:  # noqa: BLE001 (reported by the fixture, in the test that needs it)
+        _STATE["problem"] = f"the vLLM server did not start: {exc!r}"
+
+
 def pytest_collection_modifyitems(config, items):
-    # A test that kills the session's server (marker kills_vllm_server) runs after every other
-    # test: the session fixture does not restart the server for later users.
-    last = {id(i) for i in items if i.get_closest_marker("kills_vllm_server") is not None}
-    if last:
-        items[:] = [i for i in items if id(i) not in last] + [i for i in items if id(i) in last]
+    # The server's users run after every other test (the venv may still be building, the server
+    # starting), and a test that kills the session's server (marker kills_vllm_server) after them:
+    # the session fixture does not restart the server for later users.
+    def rank(item) -> int:
+        if item.get_closest_marker("kills_vllm_server") is not None:
+            return 2
+        return int(item.get_closest_marker("vllm_server") is not None
+                   or item.get_closest_marker("vllm_venv") is not None)
+
+    items.sort(key=rank)  # stable: the order within each group is kept
     wanted = [i for i in items if i.get_closest_marker("vllm_server") is not None]
     if not wanted:
         return
-    problem = venv_problem()
+    problem = None if _build_pending() else venv_problem()
     if problem is not None:
         if os.environ.get("PDM_REQUIRE_VLLM") == "1":
             raise pytest.UsageError(f"PDM_REQUIRE_VLLM=1 but {problem}")
@@ -87,10 +132,17 @@ def pytest_collection_modifyitems(config, items):
         for item in wanted:
             item.add_marker(skip)
         return
-    _start_server()
+    _prepare_server()
+    if _build_pending():
+        _STATE["starter"] = threading.Thread(target=_start_when_built, name="vllm-starter",
+                                             daemon=True)
+        _STATE["starter"].start()
+    else:
+        _STATE["server"].start()
 
 
 def pytest_sessionfinish(session, exitstatus):
+    _STATE["finished"] = True  # a starter thread still waiting for the venv starts nothing
     server = _STATE.get("server")
     if server is not None:
         server.stop()
@@ -132,6 +184,13 @@ class Served:
 def vllm_server():
     if "server" not in _STATE:
         pytest.skip("vLLM server not started (venv unavailable)")
+    if "starter" in _STATE:  # the venv was still building at collection
+        _STATE["starter"].join()
+        problem = _STATE.get("problem")
+        if problem is not None:
+            if os.environ.get("PDM_REQUIRE_VLLM") == "1":
+                pytest.fail(f"PDM_REQUIRE_VLLM=1 but {problem}")
+            pytest.skip(f"vLLM venv unavailable: {problem}")
     server = _STATE["server"]
     if not server.starts:
         server.wait_ready(START_TIMEOUT_S)

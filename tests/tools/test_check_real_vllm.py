@@ -13,9 +13,9 @@ import json
 
 import pytest
 
-from tests.support.vllm_server import ROOT, venv_problem
+from tests.support.vllm_server import ROOT, ready_venv_problem
 
-pytestmark = [pytest.mark.real_model, pytest.mark.slow]
+pytestmark = [pytest.mark.real_model, pytest.mark.slow, pytest.mark.vllm_venv]
 
 MODEL = ROOT / ".cache" / "real-model" / "smollm2-135m-instruct"
 TOL = 1e-3
@@ -24,7 +24,7 @@ different CPU kernels, so the margin is wider than the tiny model's 1e-4)."""
 
 
 def test_real_model_vllm_matches_transformers(tmp_path):
-    problem = venv_problem()
+    problem = ready_venv_problem()  # waits for the venv `make test` builds beside the tests
     if problem is not None:
         pytest.skip(f"vLLM venv unavailable: {problem}")
     if not (MODEL / "prepared.json").exists():
