@@ -233,27 +233,38 @@ class VLLMEngine:
         if self.model is None:
             await self.control.acheck_server()
         state = CallState(self.control.known_version)
-        outcomes: dict[tuple[int, int], RolloutSample | RolloutFailure] = {}
         sem = asyncio.Semaphore(self.max_concurrency)
         async with self.http.session(self.max_concurrency + 4) as session:
-            await asyncio.gather(*(
-                self._run_prompt(session, sem, state, p, list(prompt), body, call_seed, n,
-                                 outcomes)
-                for p, prompt in enumerate(prompt_ids)))
-            version = state.expected
-            if state.dead is None and any(isinstance(o, RolloutSample)
-                                          for o in outcomes.values()):
+            redraws = 0
+            while True:
+                outcomes: dict[tuple[int, int], RolloutSample | RolloutFailure] = {}
+                await asyncio.gather(*(
+                    self._run_prompt(session, sem, state, p, list(prompt), body, call_seed, n,
+                                     outcomes)
+                    for p, prompt in enumerate(prompt_ids)))
+                version = state.expected
+                if state.dead is not None or not any(isinstance(o, RolloutSample)
+                                                     for o in outcomes.values()):
+                    break
                 try:
                     final = await self.control.aweight_version(session)
                 except AttemptError as exc:
-                    raise EngineMismatchError(
-                        f"{self.base_url}: weight version check after the rollouts failed "
-                        f"({exc}); the samples cannot be attributed to a version") from None
+                    if exc.kind not in _SUSPECT_KINDS or redraws >= self.weights.max_recoveries:
+                        raise EngineMismatchError(
+                            f"{self.base_url}: weight version check after the rollouts failed "
+                            f"({exc}); the samples cannot be attributed to a version") from None
+                    # down after the last sample (a restart may have gone unseen): the guard
+                    # recovers the server, the samples are drawn again with their own seeds
+                    redraws, state.suspect = redraws + 1, True
+                    logger.warning("%s: unreachable at the version check after the rollouts "
+                                   "(%s); drawing the samples again", self.base_url, exc)
+                    continue
                 if final != version:
                     raise EngineMismatchError(
                         f"{self.base_url}: weight version changed from {version!r} to "
                         f"{final!r} during the rollouts (restarted or updated by someone "
                         "else); refusing samples of unknown weights")
+                break
         if state.repushes:
             logger.warning("vLLM server restart(s) during this call: re-pushed version %s %d "
                            "time(s); affected samples were re-drawn with their own seeds",
@@ -287,23 +298,6 @@ class VLLMEngine:
                                 f"{other}, expected {expected!r} (spans {spans}); refused",
                                 retryable=False)
         return None
-
-    async def _is_paused(self, session) -> bool:
-        try:
-            _, out = await self.http.request(session, "GET", "/is_paused", timeout=30)
-        except AttemptError:
-            return False
-        return isinstance(out, dict) and out.get("is_paused") is True
-
-    async def _wait_resumed(self, session) -> bool:
-        """Polls /is_paused for up to pause_wait_s; True once the server is not paused."""
-        deadline = asyncio.get_running_loop().time() + self.pause_wait_s
-        while await self._is_paused(session):
-            left = deadline - asyncio.get_running_loop().time()
-            if left <= 0:
-                return False
-            await asyncio.sleep(min(0.2, left))
-        return True
 
     def _policy(self) -> RetryPolicy:
         return RetryPolicy(self.max_retries, self.backoff_s, self.backoff_max_s, self._rng)
@@ -352,8 +346,8 @@ class VLLMEngine:
                                                      body=payload, timeout=self.timeout_s)
                 break
             except AttemptError as exc:
-                if "HTTP 503" in str(exc) and await self._is_paused(session):
-                    if await self._wait_resumed(session):
+                if "HTTP 503" in str(exc) and await self.control.ais_paused(session):
+                    if await self.control.await_resumed(session, self.pause_wait_s):
                         continue  # paused (by our push or someone else) and resumed: resend
                     return [AttemptError("paused", f"{self.base_url} stayed paused for more "
                                          f"than {self.pause_wait_s:.0f} s (pause_wait_s) and "

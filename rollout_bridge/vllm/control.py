@@ -13,6 +13,7 @@ loopback address or `allow_insecure_dev_routes=True`.
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import logging
 import urllib.parse
@@ -166,6 +167,24 @@ class VLLMControl:
         found = out.get("version") if isinstance(out, dict) else None
         check_vllm_version(found, f"{self.http.base_url} (GET /version)")
         return str(found)
+
+    async def ais_paused(self, session) -> bool:
+        """`GET /is_paused` (False when it cannot be read)."""
+        try:
+            _, out = await self.http.request(session, "GET", "/is_paused", timeout=30)
+        except AttemptError:
+            return False
+        return isinstance(out, dict) and out.get("is_paused") is True
+
+    async def await_resumed(self, session, wait_s: float) -> bool:
+        """Polls /is_paused for up to `wait_s`; True once the server is not paused."""
+        deadline = asyncio.get_running_loop().time() + wait_s
+        while await self.ais_paused(session):
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                return False
+            await asyncio.sleep(min(0.2, left))
+        return True
 
     async def aweight_version(self, session) -> str:
         _, out = await self.http.request(session, "GET", "/weight_info", timeout=60)

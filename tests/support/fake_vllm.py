@@ -77,6 +77,9 @@ class FakeVLLMServer:
         self.incarnation = 0
         self.down_s = 0.3
         self._down_until = 0.0
+        self.crash_at_weight_info: list[int] = []
+        """Completion counts: the first `GET /weight_info` once `num_completions` reaches the
+        first of them restarts the server instead of answering (and drops that count)."""
         self.fault_fn: Callable[[dict, int], VFault | None] | None = None
         self.calls: list[tuple[str, dict]] = []
         self.loads: list[str] = []  # the worker method of each weight load
@@ -175,6 +178,12 @@ class FakeVLLMServer:
         return web.json_response({"is_paused": self.paused})
 
     async def _weight_info(self, request):
+        crash = self.crash_at_weight_info
+        if crash and self.num_completions >= crash[0]:  # right after a call's last sample
+            crash.pop(0)
+            self.restart()
+            request.transport.close()
+            raise asyncio.CancelledError()
         return web.json_response({"weight_version": self.version})
 
     async def _control(self, request):

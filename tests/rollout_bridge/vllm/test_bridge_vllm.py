@@ -289,6 +289,34 @@ def test_restart_mid_call_repushes_and_redraws(vserver):
     assert client2.weight_version() == "3"
 
 
+def test_restart_at_the_version_check_after_the_rollouts_redraws_them(vserver):
+    """The server dies after the call's last sample, before the version check: the samples
+    cannot be attributed, so the guard recovers the server (re-push) and the call draws them
+    again with their own seeds: the same samples as a call without the crash."""
+    client = _client(vserver)
+    client.update_weights(engine_weights(_engine(seed=9)), "3")
+    clean = client.generate(prompts(3), PARAMS, n=2)
+    client2 = _client(vserver, recover_timeout_s=10.0)
+    client2.update_weights(engine_weights(_engine(seed=9)), "3")
+    before = vserver.num_completions
+    vserver.crash_at_weight_info = [before + 3]  # after the call's 3 requests (one per prompt)
+    batch = client2.generate(prompts(3), PARAMS, n=2)
+    assert vserver.crash_at_weight_info == [] and client2.num_repushes == 1
+    assert vserver.num_completions - before == 6  # every prompt drawn again
+    _complete(batch, 3, 2)
+    assert not batch.failures and batch.weight_version == "3"
+    _same(clean, batch)
+
+
+def test_restart_at_every_version_check_gives_up_clearly(vserver):
+    client = _client(vserver, recover_timeout_s=10.0, max_recoveries=1)
+    client.update_weights(engine_weights(_engine(seed=9)), "3")
+    n0 = vserver.num_completions
+    vserver.crash_at_weight_info = [n0 + 2, n0 + 4]  # after the call, after its redraw
+    with pytest.raises(EngineMismatchError, match="version check after the rollouts failed"):
+        client.generate(prompts(2), PARAMS, n=2)
+
+
 def test_restart_without_cached_weights_fails_clearly(vserver):
     vserver.down_s = 0.0  # back at once: the version check, not the connection, must catch it
     client = _client(vserver, repush_on_restart=False)
