@@ -2,7 +2,8 @@
 
 tests/ mirrors the packages (docs/testing.md); what a test needs is a marker and a fixture:
 gpu, megatron, slow, gloo (markers only), real_model (fixture real_model_dir, below),
-vllm_server (fixture vllm_server: tests/support/vllm_server.py), sglang_api (fixtures version,
+vllm_server (fixture vllm_server: tests/support/vllm_server.py; vllm_venv, a marker only, for
+a test that runs the vLLM venv's interpreter itself), sglang_api (fixtures version,
 box, report: tests/support/sglang_api.py), verl (tests/support/verl_env.py). A test that asks
 for one of these fixtures gets its marker here, so `-m` selects it either way.
 """
