@@ -55,9 +55,9 @@ simulate: $(STAMP)
 # without triton: what a CPU-torch machine has). A failed build fails `make test` (the registry
 # is reachable in CI); MCORE_LATEST=0 leaves the 0.19.2 part out (say so when you report a run).
 # `make test` builds that venv and runs them beside the main tests at nice 19 (the vLLM venv builds
-# beside them at nice 10): on 2 cores the main run leaves about a quarter of the CPU idle (process
-# starts, single-process tests), which these fill (docs/testing.md). Own pytest temp folder; logs
-# in .cache/mcore_latest_env.log and .cache/mcore_latest_tests.log.
+# beside them at nice 10): they use the CPU the main run leaves idle (~15%: single-process tests)
+# and otherwise share it; in all 18-21 min instead of ~30 (docs/testing.md). Own pytest temp
+# folder; logs in .cache/mcore_latest_env.log and .cache/mcore_latest_tests.log.
 MCORE_LATEST       ?= 1
 MCORE_LATEST_TESTS ?= tests/mcore tests/convert tests/parallel/test_collective_budget.py \
 	tests/parallel/test_fused_head_gloo.py tests/parallel/test_vocab_parallel_gloo.py \
