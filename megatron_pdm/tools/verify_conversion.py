@@ -9,10 +9,11 @@
 The HF model runs with transformers (fp32 on CPU); the megatron checkpoint is loaded at the given
 layout (any TP/EP with PP=1; the checkpoint may have been written at another layout) in
 pp*lcm(tp, ep) spawned gloo ranks (or under torchrun, where rank 0 reports), and its
-vocab-parallel logits are gathered over TP and stripped of the vocab padding. Prompts are seeded random token ids, or with `--text`
-real text through the HF directory's own tokenizer (`--prompts`, default `DEFAULT_PROMPTS`;
-`--chat` wraps each in the tokenizer's chat template as a user turn): the prompts are
-right-padded to a common length that TP divides and only their own tokens are compared. Reports
+vocab-parallel logits are gathered over TP and stripped of the vocab padding. Prompts are seeded
+random token ids, or with `--text` real text through the HF directory's own tokenizer
+(`--prompts`, default `DEFAULT_PROMPTS`; `--chat` wraps each in the tokenizer's chat template
+as a user turn): the prompts are right-padded to a common length that TP divides and only their
+own tokens are compared. Reports
 max |dlogit| and the mean / max per-token KL(p_hf || p_megatron) (torchtitan's check) and exits
 non-zero when either is over its threshold.
 """

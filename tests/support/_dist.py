@@ -12,10 +12,10 @@ megatron-core before fn runs; with a pool it pays that once per session, not onc
 Between calls a worker restores what a test may leave behind: the environment, torch's thread
 count and default dtype, megatron's model-parallel state (destroyed if fn left it initialised).
 After any failure (an exception, a worker that died, a call past CALL_TIMEOUT_S) the pool is
-killed and the next call starts a new one; a pool whose worker holds more than MAX_THREADS threads
-is closed after its call and replaced the same way: a group in which one rank failed can no longer be
-trusted. Other world sizes, `fresh=True` and PDM_GLOO_POOL=0 in the environment start new
-processes for the one call.
+killed and the next call starts a new one: a group in which one rank failed can no longer be
+trusted. A pool whose worker holds more than MAX_THREADS threads after its reset is closed after
+its call and replaced the same way. Other world sizes, `fresh=True` and PDM_GLOO_POOL=0 in the
+environment start new processes for the one call.
 
 Rendezvous: the rendezvous store is created by the calling process on a port the OS assigns
 while binding it (port 0) and held while the workers live; the workers connect to it as clients.
